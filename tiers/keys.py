@@ -1,0 +1,113 @@
+"""The one place that spells a key.
+
+Layout, identical in every tier (memory folder, disk folder, S3 prefix, peer)::
+
+    <job>/step-<N>/rank-<R>.shard     the bytes one rank saved at step N
+    <job>/step-<N>/manifest.json      the step's index; written last (commit point)
+
+Keys use ``/`` as separator in every tier; a tier maps them onto its own
+namespace (a path below its root folder, an object name below its prefix).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from .errors import InvalidNameError
+
+__all__ = [
+    "JOB_RE",
+    "MANIFEST_NAME",
+    "KeyInfo",
+    "check_job",
+    "check_step",
+    "check_rank",
+    "job_prefix",
+    "step_prefix",
+    "shard_key",
+    "manifest_key",
+    "parse_key",
+]
+
+JOB_RE = re.compile(r"^[A-Za-z0-9._-]{1,128}$")
+MANIFEST_NAME = "manifest.json"
+_STEP_DIR_RE = re.compile(r"^step-(0|[1-9][0-9]{0,17})$")
+_SHARD_RE = re.compile(r"^rank-(0|[1-9][0-9]{0,8})\.shard$")
+
+
+def check_job(job: str) -> str:
+    """Return ``job`` if it is a valid job name, else raise InvalidNameError."""
+    if not isinstance(job, str) or not JOB_RE.match(job) or job in (".", ".."):
+        raise InvalidNameError(
+            f"invalid job name {job!r}: use 1-128 characters from A-Z a-z 0-9 . _ - "
+            "(no slashes, not '.' or '..')"
+        )
+    return job
+
+
+def check_step(step: int) -> int:
+    """Return ``step`` if it is an int >= 0, else raise InvalidNameError."""
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise InvalidNameError(f"invalid step {step!r}: a step is an integer >= 0")
+    return step
+
+
+def check_rank(rank: int) -> int:
+    """Return ``rank`` if it is an int >= 0, else raise InvalidNameError."""
+    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
+        raise InvalidNameError(f"invalid rank {rank!r}: a rank is an integer >= 0")
+    return rank
+
+
+def job_prefix(job: str) -> str:
+    """Prefix under which everything of ``job`` lives, ending in ``/``."""
+    return f"{check_job(job)}/"
+
+
+def step_prefix(job: str, step: int) -> str:
+    """Prefix of one step's objects, ending in ``/``."""
+    return f"{check_job(job)}/step-{check_step(step)}/"
+
+
+def shard_key(job: str, step: int, rank: int) -> str:
+    """Key of the shard that ``rank`` saved at ``step``."""
+    return f"{step_prefix(job, step)}rank-{check_rank(rank)}.shard"
+
+
+def manifest_key(job: str, step: int) -> str:
+    """Key of the step's manifest (the commit point)."""
+    return f"{step_prefix(job, step)}{MANIFEST_NAME}"
+
+
+@dataclass(frozen=True)
+class KeyInfo:
+    """What a key names: a shard (``rank`` set) or a manifest (``rank`` None)."""
+
+    job: str
+    step: int
+    rank: int | None
+
+    @property
+    def is_manifest(self) -> bool:
+        return self.rank is None
+
+
+def parse_key(key: str) -> KeyInfo | None:
+    """Parse a key of the layout above; None for anything else (temp files, junk)."""
+    parts = key.split("/")
+    if len(parts) != 3:
+        return None
+    job, step_dir, name = parts
+    if not JOB_RE.match(job) or job in (".", ".."):
+        return None
+    m = _STEP_DIR_RE.match(step_dir)
+    if not m:
+        return None
+    step = int(m.group(1))
+    if name == MANIFEST_NAME:
+        return KeyInfo(job, step, None)
+    m = _SHARD_RE.match(name)
+    if not m:
+        return None
+    return KeyInfo(job, step, int(m.group(1)))

@@ -1,0 +1,275 @@
+"""The manifest: one step's global index, versioned JSON, never pickled.
+
+A manifest says, for one ``(job, step)``: the world size, every rank's shard
+(size in bytes and checksum), and every entry each rank saved in its shard:
+
+* a tensor chunk: ``name``, ``dtype`` (torch dtype name without ``torch.``),
+  ``global_shape`` (the whole tensor), ``offsets`` and ``shape`` (this chunk's
+  place in it; a replicated tensor has zero offsets and ``shape ==
+  global_shape``), ``offset`` and ``nbytes`` (byte range inside the shard);
+* a small JSON value (a data loader position, a step counter): ``name`` and
+  ``value``.
+
+It also carries user metadata and the library version that wrote it. It is
+written last in every tier, so its presence commits the step. Parsing is
+strict: anything unexpected raises :class:`ManifestError`, so a corrupt or
+hostile manifest is refused rather than half-used.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from .errors import ManifestError
+from .keys import check_job, check_step
+
+__all__ = [
+    "MANIFEST_FORMAT",
+    "MANIFEST_VERSION",
+    "DTYPE_SIZES",
+    "TensorChunk",
+    "JsonEntry",
+    "ShardInfo",
+    "Manifest",
+    "validate_layout",
+]
+
+MANIFEST_FORMAT = "tierckpt-manifest"
+MANIFEST_VERSION = 1
+MAX_MANIFEST_BYTES = 256 * 1024 * 1024
+
+#: bytes per element of every dtype a shard may hold
+DTYPE_SIZES: dict[str, int] = {
+    "float64": 8, "float32": 4, "float16": 2, "bfloat16": 2,
+    "complex128": 16, "complex64": 8, "complex32": 4,
+    "int64": 8, "int32": 4, "int16": 2, "int8": 1, "uint8": 1,
+    "uint16": 2, "uint32": 4, "uint64": 8, "bool": 1,
+    "float8_e4m3fn": 1, "float8_e5m2": 1, "float8_e4m3fnuz": 1, "float8_e5m2fnuz": 1,
+}
+
+
+def _need(obj: dict, name: str, kind: type | tuple[type, ...], where: str) -> Any:
+    if not isinstance(obj, dict) or name not in obj:
+        raise ManifestError(f"malformed manifest: {where} has no field {name!r}")
+    value = obj[name]
+    if isinstance(value, bool) and kind is not bool and bool not in (kind if isinstance(kind, tuple) else (kind,)):
+        raise ManifestError(f"malformed manifest: {where}.{name} must be {kind}, not bool")
+    if not isinstance(value, kind):
+        raise ManifestError(f"malformed manifest: {where}.{name} must be {kind}, got {type(value).__name__}")
+    return value
+
+
+def _int_list(obj: dict, name: str, where: str) -> tuple[int, ...]:
+    value = _need(obj, name, list, where)
+    if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value):
+        raise ManifestError(f"malformed manifest: {where}.{name} must be a list of ints >= 0")
+    return tuple(value)
+
+
+@dataclass(frozen=True)
+class TensorChunk:
+    """One rank's piece of one tensor, and where its bytes are in the shard."""
+
+    name: str
+    dtype: str
+    global_shape: tuple[int, ...]
+    offsets: tuple[int, ...]
+    shape: tuple[int, ...]
+    offset: int
+    nbytes: int
+
+    def to_json(self) -> dict:
+        return {
+            "kind": "tensor", "name": self.name, "dtype": self.dtype,
+            "global_shape": list(self.global_shape), "offsets": list(self.offsets),
+            "shape": list(self.shape), "offset": self.offset, "nbytes": self.nbytes,
+        }
+
+    @classmethod
+    def from_json(cls, obj: dict, where: str) -> "TensorChunk":
+        chunk = cls(
+            name=_need(obj, "name", str, where),
+            dtype=_need(obj, "dtype", str, where),
+            global_shape=_int_list(obj, "global_shape", where),
+            offsets=_int_list(obj, "offsets", where),
+            shape=_int_list(obj, "shape", where),
+            offset=_need(obj, "offset", int, where),
+            nbytes=_need(obj, "nbytes", int, where),
+        )
+        chunk.check(where)
+        return chunk
+
+    def check(self, where: str) -> None:
+        if self.dtype not in DTYPE_SIZES:
+            raise ManifestError(f"malformed manifest: {where} has unknown dtype {self.dtype!r}")
+        if not (len(self.global_shape) == len(self.offsets) == len(self.shape)):
+            raise ManifestError(f"malformed manifest: {where} shape, offsets and global_shape differ in rank")
+        for o, s, g in zip(self.offsets, self.shape, self.global_shape):
+            if o + s > g:
+                raise ManifestError(f"malformed manifest: {where} chunk lies outside its tensor")
+        if self.offset < 0 or self.nbytes != math.prod(self.shape) * DTYPE_SIZES[self.dtype]:
+            raise ManifestError(f"malformed manifest: {where} byte range does not match shape and dtype")
+
+
+@dataclass(frozen=True)
+class JsonEntry:
+    """A small JSON-able value one rank saved (kept in the manifest, not the shard)."""
+
+    name: str
+    value: Any
+
+    def to_json(self) -> dict:
+        return {"kind": "json", "name": self.name, "value": self.value}
+
+    @classmethod
+    def from_json(cls, obj: dict, where: str) -> "JsonEntry":
+        if "value" not in obj:
+            raise ManifestError(f"malformed manifest: {where} has no field 'value'")
+        return cls(name=_need(obj, "name", str, where), value=obj["value"])
+
+
+Entry = TensorChunk | JsonEntry
+
+
+def validate_layout(entries: list[dict], size: int | None = None, where: str = "layout") -> list[Entry]:
+    """Parse one rank's entries (JSON objects); check ranges fit ``size`` bytes.
+
+    Raises ManifestError on anything malformed, overlapping or out of range.
+    """
+    if not isinstance(entries, list):
+        raise ManifestError(f"malformed manifest: {where} must be a list")
+    out: list[Entry] = []
+    names: set[str] = set()
+    spans: list[tuple[int, int]] = []
+    for i, obj in enumerate(entries):
+        w = f"{where}[{i}]"
+        kind = _need(obj, "kind", str, w)
+        if kind == "tensor":
+            e: Entry = TensorChunk.from_json(obj, w)
+            if size is not None and e.offset + e.nbytes > size:
+                raise ManifestError(f"malformed manifest: {w} byte range ends past the shard ({size} bytes)")
+            if e.nbytes:
+                spans.append((e.offset, e.offset + e.nbytes))
+        elif kind == "json":
+            e = JsonEntry.from_json(obj, w)
+        else:
+            raise ManifestError(f"malformed manifest: {w} has unknown kind {kind!r}")
+        if e.name in names:
+            raise ManifestError(f"malformed manifest: {w} repeats the name {e.name!r}")
+        names.add(e.name)
+        out.append(e)
+    spans.sort()
+    for (_, end), (start, _) in zip(spans, spans[1:]):
+        if start < end:
+            raise ManifestError(f"malformed manifest: {where} has overlapping byte ranges")
+    return out
+
+
+@dataclass(frozen=True)
+class ShardInfo:
+    """One rank's shard: its size in bytes, its checksum, and what it holds."""
+
+    rank: int
+    size: int
+    checksum: str
+    entries: tuple[Entry, ...] = ()
+
+    def to_json(self) -> dict:
+        return {"rank": self.rank, "size": self.size, "checksum": self.checksum,
+                "entries": [e.to_json() for e in self.entries]}
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """One step's global index. See the module docstring for the fields."""
+
+    job: str
+    step: int
+    world: int
+    shards: tuple[ShardInfo, ...]
+    metadata: dict = field(default_factory=dict)
+    created: float = field(default_factory=time.time)
+    library: str = "tierckpt"
+    version: int = MANIFEST_VERSION
+
+    @property
+    def total_bytes(self) -> int:
+        """Sum of all shard sizes, in bytes."""
+        return sum(s.size for s in self.shards)
+
+    def shard(self, rank: int) -> ShardInfo:
+        return self.shards[rank]
+
+    def to_json(self) -> dict:
+        return {
+            "format": MANIFEST_FORMAT, "version": self.version, "library": self.library,
+            "job": self.job, "step": self.step, "world": self.world, "created": self.created,
+            "metadata": self.metadata, "shards": [s.to_json() for s in self.shards],
+        }
+
+    def to_bytes(self) -> bytes:
+        """Serialise to UTF-8 JSON."""
+        return json.dumps(self.to_json(), separators=(",", ":"), allow_nan=False).encode()
+
+    @classmethod
+    def from_bytes(cls, data: bytes | memoryview, *, job: str | None = None, step: int | None = None) -> "Manifest":
+        """Parse and validate; if ``job``/``step`` are given they must match.
+
+        Raises ManifestError for anything malformed, of another format or of a
+        newer version than this library reads.
+        """
+        if len(data) > MAX_MANIFEST_BYTES:
+            raise ManifestError(f"malformed manifest: {len(data)} bytes is over the {MAX_MANIFEST_BYTES} limit")
+        try:
+            obj = json.loads(bytes(data).decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+            raise ManifestError(f"malformed manifest: not valid JSON ({e})") from e
+        return cls.from_json(obj, job=job, step=step)
+
+    @classmethod
+    def from_json(cls, obj: Any, *, job: str | None = None, step: int | None = None) -> "Manifest":
+        if not isinstance(obj, dict) or obj.get("format") != MANIFEST_FORMAT:
+            raise ManifestError("malformed manifest: not a tierckpt manifest (missing 'format')")
+        version = _need(obj, "version", int, "manifest")
+        if version > MANIFEST_VERSION or version < 1:
+            raise ManifestError(
+                f"manifest version {version} is not supported by this library (reads <= {MANIFEST_VERSION}); "
+                "upgrade tierckpt"
+            )
+        m_job = _need(obj, "job", str, "manifest")
+        m_step = _need(obj, "step", int, "manifest")
+        try:
+            check_job(m_job)
+            check_step(m_step)
+        except ValueError as e:
+            raise ManifestError(f"malformed manifest: {e}") from e
+        if job is not None and m_job != job:
+            raise ManifestError(f"manifest names job {m_job!r} but was stored under {job!r}")
+        if step is not None and m_step != step:
+            raise ManifestError(f"manifest names step {m_step} but was stored under step {step}")
+        world = _need(obj, "world", int, "manifest")
+        shards_obj = _need(obj, "shards", list, "manifest")
+        if world < 1 or len(shards_obj) != world:
+            raise ManifestError(f"malformed manifest: world {world} but {len(shards_obj)} shards listed")
+        shards = []
+        for r, s in enumerate(shards_obj):
+            where = f"shards[{r}]"
+            rank = _need(s, "rank", int, where)
+            size = _need(s, "size", int, where)
+            checksum = _need(s, "checksum", str, where)
+            if rank != r or size < 0:
+                raise ManifestError(f"malformed manifest: {where} has rank {rank} / size {size}")
+            entries = validate_layout(_need(s, "entries", list, where), size, f"{where}.entries")
+            shards.append(ShardInfo(rank, size, checksum, tuple(entries)))
+        metadata = obj.get("metadata", {})
+        if not isinstance(metadata, dict):
+            raise ManifestError("malformed manifest: metadata must be an object")
+        created = obj.get("created", 0.0)
+        if not isinstance(created, (int, float)) or isinstance(created, bool):
+            raise ManifestError("malformed manifest: created must be a number")
+        return cls(m_job, m_step, world, tuple(shards), metadata, float(created),
+                   str(obj.get("library", "")), version)

@@ -1,0 +1,107 @@
+"""The memory tier: this node's host memory, as files in a tmpfs folder (``/dev/shm``).
+
+Besides the plain :class:`~tiers.base.Tier` methods it manages the staging
+*slots* trainers copy into: one small ring of pre-faulted files per
+``(job, rank)`` under ``<root>/.slots/``. A committed shard is a hard link to
+its slot, so committing costs no copy and a slot is free exactly when no shard
+links to it any more (``st_nlink == 1``) — a fact that survives an agent
+restart without any bookkeeping.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import uuid
+
+from ._folder import FolderTier
+from .errors import KeyNotFoundError, TierFullError
+from .keys import check_job, check_rank
+
+__all__ = ["MemoryTier", "default_shm_root"]
+
+
+def default_shm_root() -> str:
+    """``/dev/shm/tierckpt-<uid>`` (or the temp folder where there is no /dev/shm)."""
+    base = "/dev/shm" if os.path.isdir("/dev/shm") else os.environ.get("TMPDIR", "/tmp")
+    return os.path.join(base, f"tierckpt-{os.getuid()}")
+
+
+class MemoryTier(FolderTier):
+    """Shards and manifests in host memory (a tmpfs folder). Not durable by design."""
+
+    name = "memory"
+
+    def __init__(self, root: str | os.PathLike | None = None) -> None:
+        super().__init__(root or default_shm_root(), durable=False)
+
+    # -- staging slots -----------------------------------------------------------
+    def slot_dir(self, job: str, rank: int) -> str:
+        return os.path.join(self.root, ".slots", check_job(job), f"rank-{check_rank(rank)}")
+
+    def slots(self, job: str, rank: int) -> list[str]:
+        """Paths of the existing slots of ``(job, rank)``, oldest name first."""
+        d = self.slot_dir(job, rank)
+        try:
+            names = sorted(n for n in os.listdir(d) if n.startswith("slot-"))
+        except FileNotFoundError:
+            return []
+        return [os.path.join(d, n) for n in names]
+
+    @staticmethod
+    def slot_is_free(path: str) -> bool:
+        """True when no committed shard links to the slot."""
+        try:
+            return os.stat(path).st_nlink == 1
+        except FileNotFoundError:
+            return False
+
+    def prepare_slot(self, path: str, size: int) -> None:
+        """Size a slot to ``size`` bytes and fault its pages in now, not during a save."""
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            if os.fstat(fd).st_size != size:
+                os.ftruncate(fd, size)
+            if size:
+                try:
+                    os.posix_fallocate(fd, 0, size)
+                except OSError as e:
+                    if e.errno in (errno.ENOSPC, errno.ENOMEM):
+                        os.ftruncate(fd, 0)
+                        raise TierFullError(
+                            e.errno,
+                            f"no room for a {size}-byte staging slot in {self.root}: "
+                            "enlarge /dev/shm or lower the memory retention (keep)",
+                        ) from e
+                    raise
+        finally:
+            os.close(fd)
+
+    def new_slot_path(self, job: str, rank: int, index: int) -> str:
+        d = self.slot_dir(job, rank)
+        os.makedirs(d, exist_ok=True)
+        return os.path.join(d, f"slot-{index}")
+
+    def adopt(self, key: str, slot: str) -> None:
+        """Publish a filled slot as ``key`` (a hard link, atomically replacing any old object)."""
+        path = self.path(key)
+        folder = os.path.dirname(path)
+        os.makedirs(folder, exist_ok=True)
+        tmp = os.path.join(folder, f".tmp-{uuid.uuid4().hex}")
+        try:
+            os.link(slot, tmp)
+        except FileNotFoundError as e:
+            raise KeyNotFoundError(errno.ENOENT, f"staging slot {slot} is gone") from e
+        os.rename(tmp, path)
+
+    def drop_slots(self, job: str) -> None:
+        """Remove every free slot of ``job`` (used by gc)."""
+        base = os.path.join(self.root, ".slots", check_job(job))
+        if not os.path.isdir(base):
+            return
+        for rank_dir in os.listdir(base):
+            d = os.path.join(base, rank_dir)
+            for n in os.listdir(d):
+                p = os.path.join(d, n)
+                if self.slot_is_free(p):
+                    os.unlink(p)
