@@ -1,0 +1,156 @@
+"""Settings: one dataclass, loaded from arguments, then ``CKPT_*`` variables, then a TOML file.
+
+Precedence (first wins): explicit arguments (CLI flags, ``Checkpointer(...)``
+keywords) → environment variables ``CKPT_<FIELD>`` (upper case, e.g.
+``CKPT_DISK=/nvme/ckpt``) → the TOML file named by ``CKPT_CONFIG`` (default
+``./tierckpt.toml`` if present) → the defaults below. The TOML file holds the
+same field names at top level or under a ``[tierckpt]`` table.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import os
+from dataclasses import dataclass, field, fields
+from typing import Any, Mapping
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    import tomli as tomllib
+
+from tiers.memory import default_shm_root
+
+__all__ = ["Settings", "SettingsError", "socket_path_for"]
+
+
+class SettingsError(ValueError):
+    """A setting has a bad value; the message names it and says what is accepted."""
+
+
+@dataclass
+class Settings:
+    """Where checkpoints go and how the agent drains them.
+
+    Every size is in bytes, every duration in seconds.
+    """
+
+    #: host-memory folder (tmpfs) that holds this node's memory tier and staging slots
+    shm: str = field(default_factory=default_shm_root)
+    #: local NVMe folder for the disk tier; None = no disk tier
+    disk: str | None = None
+    #: ``s3://bucket/prefix`` for the S3 tier; None = no S3 tier
+    s3: str | None = None
+    #: S3-compatible endpoint URL (else boto3's ``AWS_ENDPOINT_URL*`` variables)
+    s3_endpoint: str | None = None
+    #: write every Nth save to disk / to S3 (1 = every save)
+    disk_every: int = 1
+    s3_every: int = 1
+    #: newest complete steps kept per tier
+    keep_memory: int = 2
+    keep_disk: int = 3
+    keep_s3: int = 3
+    #: LZ4-compress shards on disk
+    compress: bool = False
+    #: when no staging slot is free: "wait" for one (up to slot_wait seconds) or "skip" the save
+    full_policy: str = "wait"
+    slot_wait: float = 300.0
+    #: bound on shard bytes being written to disk/S3 at once
+    max_inflight_bytes: int = 8 << 30
+    #: cap on drain bandwidth to disk and to S3, bytes/s each; 0 = no cap
+    drain_bandwidth: int = 0
+    #: S3 retry deadline: after this long a failing upload is reported as an error
+    s3_retry_deadline: float = 120.0
+    #: Unix socket of the node agent; None = derived from ``shm``
+    socket: str | None = None
+    #: seconds SIGTERM waits for in-flight writes before abandoning them
+    grace: float = 30.0
+    #: this node's rank among the job's agents
+    node_rank: int = 0
+
+    def validate(self) -> "Settings":
+        for name in ("disk_every", "s3_every", "keep_memory", "keep_disk", "keep_s3"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 1:
+                raise SettingsError(f"{name} must be an integer >= 1, got {v!r}")
+        if self.full_policy not in ("wait", "skip"):
+            raise SettingsError(f"full_policy must be 'wait' or 'skip', got {self.full_policy!r}")
+        if self.s3 is not None and not self.s3.startswith("s3://"):
+            raise SettingsError(f"s3 must look like s3://bucket/prefix, got {self.s3!r}")
+        if self.max_inflight_bytes < 1:
+            raise SettingsError("max_inflight_bytes must be >= 1")
+        return self
+
+    @property
+    def socket_path(self) -> str:
+        return self.socket or socket_path_for(self.shm)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def load(
+        cls,
+        args: Mapping[str, Any] | None = None,
+        env: Mapping[str, str] | None = None,
+        config_file: str | None = None,
+    ) -> "Settings":
+        """Merge arguments (None values ignored), ``CKPT_*`` variables and the TOML file."""
+        env = os.environ if env is None else env
+        values: dict[str, Any] = {}
+        path = config_file or env.get("CKPT_CONFIG") or ("tierckpt.toml" if os.path.exists("tierckpt.toml") else None)
+        if path:
+            try:
+                with open(path, "rb") as f:
+                    doc = tomllib.load(f)
+            except FileNotFoundError as e:
+                raise SettingsError(f"config file {path} does not exist: fix CKPT_CONFIG or create it") from e
+            except tomllib.TOMLDecodeError as e:
+                raise SettingsError(f"config file {path} is not valid TOML: {e}") from e
+            values.update(doc.get("tierckpt", doc))
+        known = {f.name: f for f in fields(cls)}
+        for name in known:
+            raw = env.get(f"CKPT_{name.upper()}")
+            if raw is not None:
+                values[name] = raw
+        for name, v in (args or {}).items():
+            if v is not None and name in known:
+                values[name] = v
+        unknown = set(values) - set(known)
+        if unknown:
+            raise SettingsError(f"unknown setting(s) {sorted(unknown)}; known: {sorted(known)}")
+        out = cls()
+        for name, v in values.items():
+            setattr(out, name, _coerce(name, known[name].type, v))
+        return out.validate()
+
+
+def _coerce(name: str, typ: Any, v: Any) -> Any:
+    typ = str(typ)
+    try:
+        if isinstance(v, str) and "None" in typ and v.strip().lower() in ("", "none"):
+            return None
+        if typ.startswith("int"):
+            return int(v)
+        if typ.startswith("float"):
+            return float(v)
+        if typ.startswith("bool"):
+            if isinstance(v, str):
+                if v.lower() in ("1", "true", "yes", "on"):
+                    return True
+                if v.lower() in ("0", "false", "no", "off"):
+                    return False
+                raise ValueError(v)
+            return bool(v)
+        return None if v is None else str(v)
+    except (TypeError, ValueError) as e:
+        raise SettingsError(f"setting {name} = {v!r} is not a valid {typ}") from e
+
+
+def socket_path_for(shm: str) -> str:
+    """The agent's Unix socket for a memory folder (abstract namespace when the path is too long)."""
+    path = os.path.join(os.path.abspath(shm), ".agent.sock")
+    if len(path.encode()) < 100:
+        return path
+    return "\0tierckpt-" + hashlib.sha1(os.path.abspath(shm).encode()).hexdigest()[:20]

@@ -1,0 +1,599 @@
+"""The node agent: owns the memory tier, takes shards from trainers, drains them to disk and S3.
+
+Life of a step, as the agent sees it::
+
+    begin   (each rank)  lease a pre-faulted staging slot in the memory folder
+    commit  (each rank)  the slot becomes the rank's shard (a hard link); checksum it
+    ── all ``world`` ranks committed ──
+    manifest written to the memory tier (the step is now complete in memory)
+    drain   disk every ``disk_every`` saves, S3 every ``s3_every`` saves:
+            every shard first, the manifest last, in each tier
+    trim    each tier keeps its newest ``keep_*`` complete steps
+
+Everything slow (checksums, copies, uploads) runs in worker threads, so the
+agent keeps answering trainers while it drains. A failure in the background is
+stored and handed to the job's trainers, once, in the answer to their next
+request. The agent never crashes on a bad request: it answers with an error.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import errno
+import fcntl
+import json
+import logging
+import os
+import signal
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from recovery.inventory import scan_tier
+from tiers import keys
+from tiers.base import Tier
+from tiers.checksum import checksum_file
+from tiers.disk import DiskTier
+from tiers.errors import TierError
+from tiers.manifest import Manifest, ShardInfo, validate_layout
+from tiers.memory import MemoryTier
+
+from .config import Settings
+from .protocol import MAX_LINE, PROTOCOL_VERSION
+
+__all__ = ["Agent", "AgentAlreadyRunningError", "run_agent"]
+
+log = logging.getLogger("tierckpt.agent")
+
+
+class AgentAlreadyRunningError(RuntimeError):
+    """Another agent already owns the memory folder."""
+
+
+class RequestError(ValueError):
+    """A request is malformed or not allowed; answered to the client, never fatal."""
+
+
+@dataclass
+class _Pending:
+    """A step some ranks have committed: per-rank layouts and checksums as they arrive."""
+
+    world: int
+    save_index: int
+    metadata: dict
+    sizes: dict[int, int] = field(default_factory=dict)
+    entries: dict[int, list] = field(default_factory=dict)
+    checksums: dict[int, asyncio.Task] = field(default_factory=dict)
+    created: float = field(default_factory=time.time)
+
+
+@dataclass
+class _Conn:
+    leases: set[str] = field(default_factory=set)
+    jobs: set[str] = field(default_factory=set)
+
+
+class _ByteBudget:
+    """Bounds shard bytes being drained at once (a shard larger than the bound runs alone)."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.used = 0
+        self._cond = asyncio.Condition()
+
+    async def acquire(self, n: int) -> int:
+        n = min(n, self.limit)
+        async with self._cond:
+            await self._cond.wait_for(lambda: self.used + n <= self.limit)
+            self.used += n
+        return n
+
+    async def release(self, n: int) -> None:
+        async with self._cond:
+            self.used -= n
+            self._cond.notify_all()
+
+
+class Agent:
+    """One node's checkpoint agent. ``await agent.serve()`` runs it until shutdown."""
+
+    def __init__(self, settings: Settings, *, embedded: bool = False, idle_exit: float | None = None) -> None:
+        self.settings = settings.validate()
+        self.embedded = embedded
+        self.idle_exit = idle_exit
+        self.memory = MemoryTier(settings.shm)
+        self.disk: Tier | None = DiskTier(settings.disk, compress=settings.compress) if settings.disk else None
+        self.s3: Tier | None = None
+        if settings.s3:
+            from tiers.s3 import S3Tier
+
+            self.s3 = S3Tier.from_url(
+                settings.s3, endpoint_url=settings.s3_endpoint, retry_deadline=settings.s3_retry_deadline
+            )
+        self.lower: list[Tier] = [t for t in (self.disk, self.s3) if t is not None]
+        self._pending: dict[tuple[str, int], _Pending] = {}
+        self._leases: set[str] = set()
+        self._errors: dict[str, list[str]] = {}
+        self._draining: dict[tuple[str, int], set[str]] = {}
+        self._settled: dict[tuple[str, int], asyncio.Event] = {}
+        self._queues: dict[str, asyncio.Queue] = {}
+        self._workers: list[asyncio.Task] = []
+        self._slot_cond: asyncio.Condition | None = None
+        self._budget: _ByteBudget | None = None
+        self._conns: set[_Conn] = set()
+        self._last_activity = time.monotonic()
+        self._stop: asyncio.Event | None = None
+        self._lock_fd: int | None = None
+        self._server: asyncio.AbstractServer | None = None
+        self.stats = {"saves": 0, "bytes_in": 0, "drained": {t.name: 0 for t in self.lower}}
+
+    # ------------------------------------------------------------------ lifecycle
+    def _take_lock(self) -> None:
+        path = os.path.join(self.memory.root, ".agent.lock")
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            os.close(fd)
+            raise AgentAlreadyRunningError(
+                f"another agent already owns {self.memory.root}: use it, or stop it first"
+            ) from e
+        os.ftruncate(fd, 0)
+        os.write(fd, str(os.getpid()).encode())
+        self._lock_fd = fd
+
+    async def start(self) -> None:
+        """Take the memory folder, rebuild the inventory, open the socket."""
+        self._take_lock()
+        self._stop = asyncio.Event()
+        self._slot_cond = asyncio.Condition()
+        self._budget = _ByteBudget(self.settings.max_inflight_bytes)
+        for t in self.lower:
+            self._queues[t.name] = asyncio.Queue()
+            self._workers.append(asyncio.create_task(self._drain_worker(t), name=f"drain-{t.name}"))
+        await asyncio.to_thread(self._sweep_temp_files)
+        await self._rebuild()
+        path = self.settings.socket_path
+        if not path.startswith("\0"):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+        self._server = await asyncio.start_unix_server(self._handle, path=path, limit=MAX_LINE)
+        if not path.startswith("\0"):
+            os.chmod(path, 0o600)
+        log.info(
+            "agent %d ready on %s (memory %s, disk %s, s3 %s)",
+            os.getpid(), path.replace("\0", "@"), self.memory.root, self.settings.disk, self.settings.s3,
+        )
+
+    async def serve(self) -> None:
+        """Run until shutdown is asked for or a signal arrives, then stop gracefully."""
+        await self.start()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            with contextlib.suppress(NotImplementedError, RuntimeError):
+                loop.add_signal_handler(sig, self._stop.set)
+        watcher = asyncio.create_task(self._idle_watch()) if self.idle_exit else None
+        await self._stop.wait()
+        if watcher:
+            watcher.cancel()
+        await self.stop()
+
+    async def stop(self) -> None:
+        """Stop taking requests; finish in-flight writes for up to ``grace`` s, then abandon them."""
+        if self._server:
+            self._server.close()
+        deadline = time.monotonic() + self.settings.grace
+        while any(self._draining.values()) or any(not q.empty() for q in self._queues.values()):
+            if time.monotonic() > deadline:
+                break
+            await asyncio.sleep(0.05)
+        abandoned = {f"{j}/step-{s}": sorted(t) for (j, s), t in self._draining.items() if t}
+        for w in self._workers:
+            w.cancel()
+        if abandoned:
+            log.warning("agent stopping with writes abandoned (left incomplete, never reported complete): %s",
+                        json.dumps(abandoned))
+        else:
+            log.info("agent stopping: every write finished")
+        path = self.settings.socket_path
+        if not path.startswith("\0"):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+        for t in self.lower:
+            with contextlib.suppress(Exception):
+                t.close()
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None
+
+    async def _idle_watch(self) -> None:
+        while True:
+            await asyncio.sleep(0.5)
+            busy = self._conns or any(self._draining.values()) or any(not q.empty() for q in self._queues.values())
+            if busy:
+                self._last_activity = time.monotonic()
+            elif time.monotonic() - self._last_activity > self.idle_exit:
+                log.info("no trainer connected for %.0f s: embedded agent exits", self.idle_exit)
+                self._stop.set()
+                return
+
+    def _sweep_temp_files(self) -> None:
+        for root in [self.memory.root] + [t.root for t in self.lower if isinstance(t, DiskTier)]:
+            for folder, dirs, files in os.walk(root):
+                dirs[:] = [d for d in dirs if d != ".slots"]
+                for f in files:
+                    if f.startswith(".tmp-"):
+                        with contextlib.suppress(OSError):
+                            os.unlink(os.path.join(folder, f))
+
+    async def _rebuild(self) -> None:
+        """After a (re)start: drop steps never committed, re-queue drains a crash interrupted."""
+        inv = await asyncio.to_thread(scan_tier, self.memory)
+        lower = {t.name: await asyncio.to_thread(scan_tier, t) for t in self.lower}
+        for job, steps in inv.steps.items():
+            for step, st in sorted(steps.items()):
+                if not st.complete:
+                    log.info("dropping %s step %d from memory: it was never completed (%s)",
+                             job, step, st.problem or "no manifest")
+                    await asyncio.to_thread(self._delete_step, self.memory, job, step)
+                    continue
+                save_index = int(st.manifest.metadata.get("save_index", step))
+                for t in self._targets(save_index):
+                    have = lower[t.name].job(job).get(step)
+                    if lower[t.name].error is None and (have is None or not have.complete):
+                        log.info("re-queueing %s step %d for the %s tier (interrupted before)", job, step, t.name)
+                        self._enqueue(t, job, step)
+        await self._trim_all()
+
+    # ------------------------------------------------------------------ requests
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        conn = _Conn()
+        self._conns.add(conn)
+        try:
+            while True:
+                try:
+                    line = await reader.readline()
+                except (asyncio.LimitOverrunError, ValueError):
+                    await self._reply(writer, {"ok": False, "error": "RequestError",
+                                               "message": f"request line over {MAX_LINE} bytes"})
+                    break
+                if not line:
+                    break
+                self._last_activity = time.monotonic()
+                try:
+                    req = json.loads(line)
+                    if not isinstance(req, dict) or not isinstance(req.get("op"), str):
+                        raise RequestError("a request is a JSON object with a string 'op'")
+                    handler = getattr(self, f"_op_{req['op']}", None)
+                    if handler is None:
+                        raise RequestError(f"unknown op {req['op']!r}")
+                    resp = await handler(conn, req)
+                    resp["ok"] = True
+                except (RequestError, ValueError, TierError, OSError, KeyError, TypeError) as e:
+                    resp = {"ok": False, "error": type(e).__name__, "message": str(e)}
+                except Exception as e:  # the agent must outlive any request
+                    log.exception("request failed")
+                    resp = {"ok": False, "error": type(e).__name__, "message": str(e)}
+                await self._reply(writer, resp)
+        except (ConnectionError, asyncio.IncompleteReadError):
+            pass
+        finally:
+            self._conns.discard(conn)
+            for slot in conn.leases:
+                self._leases.discard(slot)
+            if conn.leases:
+                async with self._slot_cond:
+                    self._slot_cond.notify_all()
+            with contextlib.suppress(Exception):
+                writer.close()
+
+    @staticmethod
+    async def _reply(writer: asyncio.StreamWriter, resp: dict) -> None:
+        writer.write(json.dumps(resp, separators=(",", ":")).encode() + b"\n")
+        await writer.drain()
+
+    def _take_errors(self, job: str | None) -> list[str]:
+        if job is None:
+            return []
+        return self._errors.pop(job, [])
+
+    async def _op_hello(self, conn: _Conn, req: dict) -> dict:
+        return {"version": PROTOCOL_VERSION, "pid": os.getpid(), "embedded": self.embedded,
+                "settings": self.settings.to_dict()}
+
+    async def _op_begin(self, conn: _Conn, req: dict) -> dict:
+        job = keys.check_job(req["job"])
+        rank = keys.check_rank(req["rank"])
+        nbytes = int(req["nbytes"])
+        if nbytes < 0:
+            raise RequestError("nbytes must be >= 0")
+        conn.jobs.add(job)
+        deadline = time.monotonic() + (0 if self.settings.full_policy == "skip" else self.settings.slot_wait)
+        while True:
+            slot = self._free_slot(job, rank)
+            if slot is not None:
+                self._leases.add(slot)
+                conn.leases.add(slot)
+                try:
+                    await asyncio.to_thread(self.memory.prepare_slot, slot, nbytes)
+                except BaseException:
+                    self._leases.discard(slot)
+                    conn.leases.discard(slot)
+                    raise
+                return {"slot": slot, "errors": self._take_errors(job)}
+            await self._trim_memory(job)
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                busy = sorted(f"step {s} ({', '.join(sorted(t))})" for (j, s), t in self._draining.items()
+                              if j == job and t)
+                why = (f"no free staging slot for {job} rank {rank}: "
+                       f"{'still draining: ' + '; '.join(busy) if busy else 'every slot holds a retained step'}"
+                       f"; save skipped (raise keep_memory or drain faster)")
+                log.warning(why)
+                return {"skip": why, "errors": self._take_errors(job)}
+            async with self._slot_cond:
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(self._slot_cond.wait(), timeout=min(remaining, 1.0))
+
+    def _free_slot(self, job: str, rank: int) -> str | None:
+        slots = self.memory.slots(job, rank)
+        for p in slots:
+            if p not in self._leases and self.memory.slot_is_free(p):
+                return p
+        if len(slots) < self.settings.keep_memory + 1:
+            used = {os.path.basename(p) for p in slots}
+            i = next(i for i in range(len(slots) + 1) if f"slot-{i}" not in used)
+            return self.memory.new_slot_path(job, rank, i)
+        return None
+
+    async def _op_release(self, conn: _Conn, req: dict) -> dict:
+        slot = str(req["slot"])
+        conn.leases.discard(slot)
+        self._leases.discard(slot)
+        async with self._slot_cond:
+            self._slot_cond.notify_all()
+        return {}
+
+    async def _op_commit(self, conn: _Conn, req: dict) -> dict:
+        job = keys.check_job(req["job"])
+        step = keys.check_step(req["step"])
+        rank = keys.check_rank(req["rank"])
+        world = int(req["world"])
+        nbytes = int(req["nbytes"])
+        slot = str(req["slot"])
+        if not 0 <= rank < world:
+            raise RequestError(f"rank {rank} is outside world {world}")
+        if slot not in conn.leases:
+            raise RequestError(f"slot {slot} is not leased to this connection (call begin first)")
+        if os.path.getsize(slot) != nbytes:
+            raise RequestError(f"slot holds {os.path.getsize(slot)} bytes, commit says {nbytes}")
+        entries = req.get("entries", [])
+        validate_layout(entries, nbytes, f"rank {rank} layout")
+        if not isinstance(req.get("metadata", {}), dict):
+            raise RequestError("metadata must be a JSON object")
+        key = (job, step)
+        pend = self._pending.get(key)
+        if pend is None:
+            if (job, step) in self._settled and self._settled[key].is_set():
+                raise RequestError(f"step {step} of {job} is already committed")
+            pend = self._pending[key] = _Pending(world, int(req.get("save_index", step)), req.get("metadata") or {})
+            self._settled.setdefault(key, asyncio.Event())
+        if pend.world != world:
+            raise RequestError(f"rank {rank} says world {world}, an earlier rank said {pend.world}")
+        if rank in pend.sizes:
+            raise RequestError(f"rank {rank} already committed step {step} of {job}")
+        await asyncio.to_thread(self.memory.adopt, keys.shard_key(job, step, rank), slot)
+        conn.leases.discard(slot)
+        self._leases.discard(slot)
+        pend.sizes[rank] = nbytes
+        pend.entries[rank] = entries
+        pend.checksums[rank] = asyncio.create_task(asyncio.to_thread(checksum_file, slot, nbytes))
+        self.stats["bytes_in"] += nbytes
+        if len(pend.sizes) == world:
+            asyncio.create_task(self._finish_step(job, step, pend))
+        return {"errors": self._take_errors(job)}
+
+    async def _finish_step(self, job: str, step: int, pend: _Pending) -> None:
+        key = (job, step)
+        try:
+            shards = []
+            for r in range(pend.world):
+                shards.append(ShardInfo(r, pend.sizes[r], await pend.checksums[r],
+                                        tuple(validate_layout(pend.entries[r], pend.sizes[r]))))
+            meta = dict(pend.metadata)
+            meta["save_index"] = pend.save_index
+            m = Manifest(job, step, pend.world, tuple(shards), meta, created=pend.created)
+            await asyncio.to_thread(self.memory.put, keys.manifest_key(job, step), m.to_bytes())
+        except Exception as e:
+            self._error(job, f"step {step} could not be committed to memory: {e}")
+            self._pending.pop(key, None)
+            self._settled[key].set()
+            return
+        self._pending.pop(key, None)
+        self.stats["saves"] += 1
+        targets = self._targets(pend.save_index)
+        for t in targets:
+            self._enqueue(t, job, step)
+        if not targets:
+            self._settled[key].set()
+        await self._trim_memory(job)
+
+    def _targets(self, save_index: int) -> list[Tier]:
+        out = []
+        if self.disk is not None and save_index % self.settings.disk_every == 0:
+            out.append(self.disk)
+        if self.s3 is not None and save_index % self.settings.s3_every == 0:
+            out.append(self.s3)
+        return out
+
+    def _enqueue(self, tier: Tier, job: str, step: int) -> None:
+        self._draining.setdefault((job, step), set()).add(tier.name)
+        self._settled.setdefault((job, step), asyncio.Event())
+        self._queues[tier.name].put_nowait((job, step))
+
+    def _error(self, job: str, msg: str) -> None:
+        log.error("%s: %s", job, msg)
+        self._errors.setdefault(job, []).append(msg)
+
+    # ------------------------------------------------------------------ drain
+    async def _drain_worker(self, tier: Tier) -> None:
+        q = self._queues[tier.name]
+        while True:
+            job, step = await q.get()
+            # a newer step of the same job already waiting supersedes this one for this tier
+            newer = [s for (j, s) in list(q._queue) if j == job and s > step]  # noqa: SLF001
+            if newer:
+                log.info("%s step %d not written to %s: step %d supersedes it", job, step, tier.name, max(newer))
+                self._drained(tier, job, step)
+                continue
+            try:
+                await self._drain_step(tier, job, step)
+                self.stats["drained"][tier.name] += 1
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:
+                self._error(job, f"step {step} could not be written to the {tier.name} tier "
+                                 f"({tier.describe()}): {e}")
+            finally:
+                self._drained(tier, job, step)
+            with contextlib.suppress(Exception):
+                await self._trim(tier, job)
+            await self._trim_memory(job)
+
+    def _drained(self, tier: Tier, job: str, step: int) -> None:
+        left = self._draining.get((job, step))
+        if left is not None:
+            left.discard(tier.name)
+            if not left:
+                del self._draining[(job, step)]
+                ev = self._settled.get((job, step))
+                if ev:
+                    ev.set()
+
+    async def _drain_step(self, tier: Tier, job: str, step: int) -> None:
+        mkey = keys.manifest_key(job, step)
+        manifest_bytes = await asyncio.to_thread(self.memory.get, mkey)
+        m = Manifest.from_bytes(manifest_bytes, job=job, step=step)
+        t0 = time.perf_counter()
+
+        async def one(rank: int, size: int) -> None:
+            n = await self._budget.acquire(size)
+            try:
+                src = self.memory.path(keys.shard_key(job, step, rank))
+                await asyncio.to_thread(tier.put, keys.shard_key(job, step, rank), src)
+            finally:
+                await self._budget.release(n)
+
+        await asyncio.gather(*(one(s.rank, s.size) for s in m.shards))
+        await asyncio.to_thread(tier.put, mkey, manifest_bytes)
+        dt = time.perf_counter() - t0
+        log.info("%s step %d written to %s: %d bytes in %.2f s (%.2f GB/s)", job, step, tier.name,
+                 m.total_bytes, dt, m.total_bytes / dt / 1e9 if dt else 0)
+
+    # ------------------------------------------------------------------ retention
+    def _delete_step(self, tier: Tier, job: str, step: int) -> None:
+        """Manifest first (un-commit), then the shards."""
+        prefix = keys.step_prefix(job, step)
+        tier.delete(keys.manifest_key(job, step))
+        for k in tier.list(prefix):
+            tier.delete(k)
+
+    async def _trim(self, tier: Tier, job: str) -> None:
+        keep = self.settings.keep_disk if tier is self.disk else self.settings.keep_s3
+        inv = await asyncio.to_thread(scan_tier, tier, job, with_sizes=False)
+        steps = inv.job(job)
+        complete = sorted(s for s, st in steps.items() if st.has_manifest)
+        drop = set(complete[:-keep]) if len(complete) > keep else set()
+        if complete:
+            drop |= {s for s in steps if s < complete[-1] and s not in complete}
+        drop = {s for s in drop if tier.name not in self._draining.get((job, s), set())}
+        for s in sorted(drop):
+            await asyncio.to_thread(self._delete_step, tier, job, s)
+            log.info("%s step %d removed from %s (retention keeps %d)", job, s, tier.name, keep)
+
+    async def _trim_memory(self, job: str) -> None:
+        inv = await asyncio.to_thread(scan_tier, self.memory, job, with_sizes=False)
+        steps = inv.job(job)
+        complete = sorted(s for s, st in steps.items() if st.has_manifest)
+        keep = self.settings.keep_memory
+        drop = set(complete[:-keep]) if len(complete) > keep else set()
+        if complete:
+            # partial steps older than the newest complete one will never complete
+            drop |= {s for s in steps if s < complete[-1] and s not in complete}
+        drop = {s for s in drop if not self._draining.get((job, s))}
+        if not drop:
+            return
+        for s in sorted(drop):
+            pend = self._pending.pop((job, s), None)
+            if pend is not None:
+                log.warning("%s step %d abandoned: only ranks %s of %d committed it", job, s,
+                            sorted(pend.sizes), pend.world)
+                ev = self._settled.get((job, s))
+                if ev:
+                    ev.set()
+            await asyncio.to_thread(self._delete_step, self.memory, job, s)
+        async with self._slot_cond:
+            self._slot_cond.notify_all()
+
+    async def _trim_all(self) -> None:
+        for job in {k[0] for k in self._draining} | set((await asyncio.to_thread(scan_tier, self.memory)).steps):
+            await self._trim_memory(job)
+
+    # ------------------------------------------------------------------ other ops
+    async def _op_wait(self, conn: _Conn, req: dict) -> dict:
+        job = keys.check_job(req["job"])
+        step = req.get("step")
+        timeout = float(req.get("timeout") or 3600)
+        if step is None:
+            evs = [ev for (j, _), ev in self._settled.items() if j == job]
+        else:
+            evs = [self._settled[(job, keys.check_step(step))]] if (job, step) in self._settled else []
+        try:
+            await asyncio.wait_for(asyncio.gather(*(ev.wait() for ev in evs)), timeout)
+            done = True
+        except asyncio.TimeoutError:
+            done = False
+        return {"done": done, "errors": self._take_errors(job)}
+
+    async def _op_errors(self, conn: _Conn, req: dict) -> dict:
+        return {"errors": self._take_errors(keys.check_job(req["job"]))}
+
+    async def _op_status(self, conn: _Conn, req: dict) -> dict:
+        return {
+            "pid": os.getpid(), "embedded": self.embedded, "connections": len(self._conns),
+            "pending": [f"{j}/step-{s}: ranks {sorted(p.sizes)} of {p.world}" for (j, s), p in self._pending.items()],
+            "draining": {f"{j}/step-{s}": sorted(t) for (j, s), t in self._draining.items()},
+            "queued": {n: q.qsize() for n, q in self._queues.items()},
+            "inflight_bytes": self._budget.used if self._budget else 0,
+            "errors": {j: len(e) for j, e in self._errors.items()},
+            "stats": self.stats, "settings": self.settings.to_dict(),
+        }
+
+    async def _op_delete(self, conn: _Conn, req: dict) -> dict:
+        job = keys.check_job(req["job"])
+        step = keys.check_step(req["step"])
+        names = req.get("tiers") or ["memory"] + [t.name for t in self.lower]
+        if self._draining.get((job, step)) or (job, step) in self._pending:
+            raise RequestError(f"step {step} of {job} is being written; wait for it first")
+        for t in [self.memory] + self.lower:
+            if t.name in names:
+                await asyncio.to_thread(self._delete_step, t, job, step)
+        async with self._slot_cond:
+            self._slot_cond.notify_all()
+        return {}
+
+    async def _op_shutdown(self, conn: _Conn, req: dict) -> dict:
+        self._stop.set()
+        return {}
+
+
+def run_agent(settings: Settings, *, embedded: bool = False, idle_exit: float | None = None) -> int:
+    """Run an agent in this process until it is stopped; return the exit status."""
+    agent = Agent(settings, embedded=embedded, idle_exit=idle_exit)
+    try:
+        asyncio.run(agent.serve())
+    except AgentAlreadyRunningError as e:
+        log.error("%s", e)
+        return 3
+    return 0

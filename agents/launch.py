@@ -1,0 +1,72 @@
+"""Start a node agent as a child process (the embedded default) and wait until it answers."""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import subprocess
+import sys
+import time
+
+from .config import Settings
+from .protocol import AgentClient, AgentUnreachableError
+
+__all__ = ["spawn_agent", "connect_or_spawn"]
+
+
+def spawn_agent(settings: Settings, *, idle_exit: float = 120.0, log_path: str | None = None,
+                timeout: float = 60.0) -> subprocess.Popen:
+    """Start ``python -m agents`` for ``settings``; return once its socket answers.
+
+    The agent runs in its own session so a crash (or ``kill -9``) of the trainer
+    that started it does not take the node's memory tier with it; it exits by
+    itself after ``idle_exit`` seconds without a trainer connected and with
+    nothing left to drain. Raises AgentUnreachableError if it does not come up.
+    """
+    os.makedirs(settings.shm, exist_ok=True)
+    log_path = log_path or os.path.join(settings.shm, ".agent.log")
+    cmd = [sys.executable, "-m", "agents", "--settings-json", json.dumps(settings.to_dict()),
+           "--embedded", "--idle-exit", str(idle_exit)]
+    with open(log_path, "ab") as logf:
+        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=logf, stderr=logf, start_new_session=True)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        client = AgentClient.try_connect(settings.socket_path, timeout=5)
+        if client is not None:
+            client.close()
+            return proc
+        if proc.poll() is not None:
+            break
+        time.sleep(0.02)
+    if proc.poll() is None:
+        proc.kill()
+    try:
+        with open(log_path, "rb") as f:
+            tail = f.read()[-2000:].decode(errors="replace").strip().splitlines()[-3:]
+    except OSError:
+        tail = []
+    raise AgentUnreachableError(f"the embedded agent did not start (log {log_path}): {' | '.join(tail)}")
+
+
+def connect_or_spawn(settings: Settings, *, spawn: bool = True, idle_exit: float = 120.0) -> tuple[AgentClient, bool]:
+    """Connect to the node's agent, starting one if none answers and ``spawn``.
+
+    Returns ``(client, started)``. Local ranks racing here are serialised by a
+    lock file, so exactly one agent is started per memory folder.
+    """
+    client = AgentClient.try_connect(settings.socket_path)
+    if client is not None or not spawn:
+        if client is None:
+            raise AgentUnreachableError(
+                f"no tierckpt agent answers on {settings.socket_path.replace(chr(0), '@')}: start `ckpt agent`"
+            )
+        return client, False
+    os.makedirs(settings.shm, exist_ok=True)
+    with open(os.path.join(settings.shm, ".spawn.lock"), "w") as lockf:
+        fcntl.flock(lockf, fcntl.LOCK_EX)
+        client = AgentClient.try_connect(settings.socket_path)
+        if client is not None:
+            return client, False
+        spawn_agent(settings, idle_exit=idle_exit)
+    return AgentClient(settings.socket_path), True

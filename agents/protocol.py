@@ -1,0 +1,108 @@
+"""The trainer ↔ agent control protocol: JSON lines over the node agent's Unix socket.
+
+One request per line, one response per line, in order, on a connection that
+stays open for the trainer's lifetime (the agent releases a dead trainer's
+staging leases when its connection closes)::
+
+    → {"op": "hello"}
+    ← {"ok": true, "version": 1, "settings": {...}, "pid": 123, "embedded": false}
+    → {"op": "begin", "job": J, "rank": R, "world": W, "nbytes": N}
+    ← {"ok": true, "slot": "/dev/shm/.../slot-0"}        or {"ok": true, "skip": "why"}
+    → {"op": "commit", "job": J, "step": S, "rank": R, "world": W, "slot": P,
+       "nbytes": N, "entries": [...], "save_index": I, "metadata": {...}}
+    ← {"ok": true, "errors": [...]}                      background errors of J, each once
+    → {"op": "wait", "job": J, "step": S|null, "timeout": T}
+    ← {"ok": true, "done": true, "errors": [...]}
+
+Also: ``release`` (give a lease back), ``errors``, ``list``, ``status``,
+``delete``, ``shutdown``. A failed request answers ``{"ok": false, "error":
+<type>, "message": <one line>}``; the client raises :class:`AgentError`.
+Lines are limited to ``MAX_LINE`` bytes.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+from typing import Any
+
+__all__ = ["PROTOCOL_VERSION", "MAX_LINE", "AgentError", "AgentUnreachableError", "AgentClient"]
+
+PROTOCOL_VERSION = 1
+MAX_LINE = 64 << 20
+
+
+class AgentError(RuntimeError):
+    """The agent refused or failed a request; ``kind`` is its error type name."""
+
+    def __init__(self, kind: str, message: str) -> None:
+        super().__init__(message)
+        self.kind = kind
+
+
+class AgentUnreachableError(ConnectionError):
+    """No agent answers on the socket."""
+
+
+def _connect(path: str, timeout: float | None) -> socket.socket:
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.settimeout(timeout)
+    try:
+        s.connect(path)
+    except OSError as e:
+        s.close()
+        shown = path.replace("\0", "@")
+        raise AgentUnreachableError(
+            f"no tierckpt agent answers on {shown}: start one with `ckpt agent` or check --shm"
+        ) from e
+    return s
+
+
+class AgentClient:
+    """A blocking client of one agent; thread-safe (one request at a time per client)."""
+
+    def __init__(self, socket_path: str, *, timeout: float | None = 600.0) -> None:
+        self.socket_path = socket_path
+        self.timeout = timeout
+        self._sock = _connect(socket_path, timeout)
+        self._file = self._sock.makefile("rb")
+        self._lock = threading.Lock()
+
+    def call(self, op: str, timeout: float | None = None, **kw: Any) -> dict:
+        """Send one request; return the response, or raise AgentError / AgentUnreachableError."""
+        line = json.dumps({"op": op, **kw}, separators=(",", ":")).encode() + b"\n"
+        with self._lock:
+            try:
+                self._sock.settimeout(timeout if timeout is not None else self.timeout)
+                self._sock.sendall(line)
+                resp = self._file.readline(MAX_LINE)
+            except OSError as e:
+                raise AgentUnreachableError(f"lost the connection to the agent during {op!r}: {e}") from e
+        if not resp:
+            raise AgentUnreachableError(f"the agent closed the connection during {op!r} (did it exit?)")
+        msg = json.loads(resp)
+        if not msg.get("ok"):
+            raise AgentError(msg.get("error", "AgentError"), msg.get("message", "agent error"))
+        return msg
+
+    def close(self) -> None:
+        try:
+            self._file.close()
+            self._sock.close()
+        except OSError:
+            pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    @classmethod
+    def try_connect(cls, socket_path: str, timeout: float | None = 600.0) -> "AgentClient | None":
+        """A client, or None when nothing listens on the socket."""
+        try:
+            return cls(socket_path, timeout=timeout)
+        except AgentUnreachableError:
+            return None

@@ -1,0 +1,104 @@
+"""Planner: the newest step complete across the surviving tiers, and where to read each shard.
+
+Tiers are given in cost order (cheapest first: memory, peer, disk, s3). For
+each shard the plan lists every tier that holds it at the right size, cheapest
+first; the fetcher tries them in that order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from tiers.base import Tier
+from tiers.errors import KeyNotFoundError
+from tiers.manifest import Manifest
+
+from .inventory import TierInventory
+
+__all__ = ["StepNotFoundError", "JobNotFoundError", "RestorePlan", "complete_steps", "plan_restore"]
+
+
+class JobNotFoundError(FileNotFoundError):
+    """No tier holds anything of the job."""
+
+
+class StepNotFoundError(FileNotFoundError):
+    """The asked-for step is not complete in any reachable tier."""
+
+
+@dataclass
+class RestorePlan:
+    """What to restore: ``manifest`` of ``step`` and, per rank, the tiers to read it from in order."""
+
+    job: str
+    step: int
+    manifest: Manifest
+    manifest_tier: Tier
+    sources: dict[int, list[Tier]] = field(default_factory=dict)
+
+
+def _candidates(invs: list[TierInventory], job: str) -> dict[int, tuple[Manifest, Tier]]:
+    """step → (a valid manifest, the cheapest tier it came from)."""
+    out: dict[int, tuple[Manifest, Tier]] = {}
+    for inv in invs:
+        for step, st in inv.job(job).items():
+            if st.manifest is not None and step not in out:
+                out[step] = (st.manifest, inv.tier)
+    return out
+
+
+def _sources(invs: list[TierInventory], job: str, step: int, m: Manifest) -> dict[int, list[Tier]] | None:
+    sources: dict[int, list[Tier]] = {}
+    for shard in m.shards:
+        where = []
+        for inv in invs:
+            st = inv.job(job).get(step)
+            if st is not None and st.shards.get(shard.rank) == shard.size:
+                where.append(inv.tier)
+        if not where:
+            return None
+        sources[shard.rank] = where
+    return sources
+
+
+def complete_steps(invs: list[TierInventory], job: str) -> list[int]:
+    """Steps whose manifest and every shard can be read somewhere, ascending."""
+    return sorted(s for s, (m, _) in _candidates(invs, job).items() if _sources(invs, job, s, m) is not None)
+
+
+def plan_restore(invs: list[TierInventory], job: str, step: int | None = None) -> RestorePlan:
+    """Plan the restore of ``step`` (the newest complete one if None).
+
+    Raises JobNotFoundError when no tier knows the job, StepNotFoundError when
+    the step is not complete anywhere (the message lists the steps that are).
+    """
+    if not any(inv.job(job) for inv in invs):
+        failed = [f"{inv.name}: {inv.error}" for inv in invs if inv.error]
+        hint = f" (unreachable: {'; '.join(failed)})" if failed else ""
+        raise JobNotFoundError(f"no checkpoint of job {job!r} in any tier{hint}: check the job name and --shm/--disk/--s3")
+    cands = _candidates(invs, job)
+    steps = sorted(cands, reverse=True) if step is None else [step]
+    for s in steps:
+        if s not in cands:
+            break
+        m, mt = cands[s]
+        src = _sources(invs, job, s, m)
+        if src is not None:
+            return RestorePlan(job, s, m, mt, src)
+    done = complete_steps(invs, job)
+    if step is None:
+        raise StepNotFoundError(f"job {job!r} has no complete step in any tier (a save may have been cut short)")
+    raise StepNotFoundError(
+        f"step {step} of job {job!r} is not complete in any tier; complete steps: {done[-10:] or 'none'}"
+    )
+
+
+def manifest_from(tiers: list[Tier], job: str, step: int) -> Manifest:
+    from .inventory import read_manifest
+
+    for t in tiers:
+        try:
+            return read_manifest(t, job, step)
+        except KeyNotFoundError:
+            continue
+    raise StepNotFoundError(f"step {step} of job {job!r} has no manifest in any tier")
