@@ -58,8 +58,6 @@ class Settings:
     slot_wait: float = 300.0
     #: bound on shard bytes being written to disk/S3 at once
     max_inflight_bytes: int = 8 << 30
-    #: cap on drain bandwidth to disk and to S3, bytes/s each; 0 = no cap
-    drain_bandwidth: int = 0
     #: S3 retry deadline: after this long a failing upload is reported as an error
     s3_retry_deadline: float = 120.0
     #: Unix socket of the node agent; None = derived from ``shm``

@@ -68,7 +68,7 @@ class _Pending:
     created: float = field(default_factory=time.time)
 
 
-@dataclass
+@dataclass(eq=False)
 class _Conn:
     leases: set[str] = field(default_factory=set)
     jobs: set[str] = field(default_factory=set)

@@ -69,12 +69,12 @@ class AgentClient:
         self._file = self._sock.makefile("rb")
         self._lock = threading.Lock()
 
-    def call(self, op: str, timeout: float | None = None, **kw: Any) -> dict:
+    def call(self, op: str, io_timeout: float | None = None, **kw: Any) -> dict:
         """Send one request; return the response, or raise AgentError / AgentUnreachableError."""
         line = json.dumps({"op": op, **kw}, separators=(",", ":")).encode() + b"\n"
         with self._lock:
             try:
-                self._sock.settimeout(timeout if timeout is not None else self.timeout)
+                self._sock.settimeout(io_timeout if io_timeout is not None else self.timeout)
                 self._sock.sendall(line)
                 resp = self._file.readline(MAX_LINE)
             except OSError as e:

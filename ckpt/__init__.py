@@ -1,0 +1,26 @@
+"""tierckpt's face: ``ckpt.Checkpointer`` for training loops, ``ckpt`` the CLI.
+
+``import ckpt`` does not import torch; the first use of ``ckpt.Checkpointer``
+does, so ``ckpt agent``, ``ckpt list`` and ``ckpt verify`` start fast and run
+where torch is not installed.
+"""
+
+from __future__ import annotations
+
+__all__ = ["Checkpointer", "SaveFuture", "RestoreReport", "CheckpointError", "StateMismatchError", "StateError",
+           "Settings", "__version__"]
+__version__ = "0.1.0"
+
+from agents.config import Settings
+
+
+def __getattr__(name: str):
+    if name in ("Checkpointer", "SaveFuture", "RestoreReport", "CheckpointError", "StateMismatchError"):
+        from . import checkpointer
+
+        return getattr(checkpointer, name)
+    if name == "StateError":
+        from ._flatten import StateError
+
+        return StateError
+    raise AttributeError(f"module 'ckpt' has no attribute {name!r}")

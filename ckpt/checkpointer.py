@@ -1,0 +1,502 @@
+"""The Checkpointer: save a training state into the node agent's memory, restore from the fastest tier.
+
+Call order::
+
+    ck = Checkpointer(job, ...)        # or ``with Checkpointer(...) as ck:``
+    step = ck.restore(state)           # once, before the first step: newest complete step, or None
+    ck.save(step, state)               # every step; acts on steps that ``every`` selects
+    ck.wait()                          # optional: until the agent has written every save everywhere
+    ck.close()                         # waits, raises any background error, disconnects
+
+``save`` copies the state into a pre-faulted shared-memory slot of the node
+agent. Tensors that only an optimizer step may change (parameters and
+optimizer state) are copied in the background while the next forward/backward
+runs; an optimizer step pre-hook waits for that copy before any parameter
+changes. Everything else (buffers, plain tensors, Stateful state) is copied
+before ``save`` returns. Once the copy is done the agent is told, and it does
+the rest (checksum, manifest, disk, S3) in its own process.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import ctypes
+import logging
+import mmap
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from agents.config import Settings
+from agents.launch import connect_or_spawn
+from agents.protocol import AgentClient, AgentError, AgentUnreachableError
+from recovery import RestorePlan, ShardReport, fetch_shard, plan_restore, scan_tiers
+from recovery.planner import StepNotFoundError
+from tiers import keys
+from tiers.base import Tier
+from tiers.disk import DiskTier
+from tiers.manifest import JsonEntry, TensorChunk
+from tiers.memory import MemoryTier
+
+from ._flatten import Flat, Leaf, StateError, flatten_state
+
+__all__ = ["Checkpointer", "SaveFuture", "RestoreReport", "CheckpointError", "StateMismatchError"]
+
+log = logging.getLogger("tierckpt")
+_ALIGN = 64
+
+
+class CheckpointError(RuntimeError):
+    """A save failed in the background (staging, the agent, or writing to a tier)."""
+
+
+class StateMismatchError(KeyError):
+    """The state to restore into does not match the checkpoint (missing names, other shapes or dtypes)."""
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""
+
+
+def _dtype_name(dt: torch.dtype) -> str:
+    return str(dt).removeprefix("torch.")
+
+
+def _dtype(name: str) -> torch.dtype:
+    dt = getattr(torch, name, None)
+    if not isinstance(dt, torch.dtype):
+        raise StateMismatchError(f"checkpoint holds dtype {name!r}, unknown to this torch")
+    return dt
+
+
+def _local(t: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...], tuple[int, ...]]:
+    """(local tensor, global shape, offsets of the local chunk)."""
+    if hasattr(t, "placements") and hasattr(t, "to_local"):
+        local = t.to_local()
+        chunks = t.__create_chunk_list__()
+        offsets = tuple(chunks[0].offsets) if chunks else (0,) * t.dim()
+        return local, tuple(t.shape), offsets
+    return t, tuple(t.shape), (0,) * t.dim()
+
+
+def _buffer_view(ptr: int, n: int) -> memoryview:
+    return memoryview((ctypes.c_char * n).from_address(ptr)).cast("B")
+
+
+@dataclass
+class SaveFuture:
+    """One save in flight: ``wait_staged`` until the snapshot is consistent, ``wait`` until persisted."""
+
+    step: int
+    started: float = field(default_factory=time.perf_counter)
+    staged_at: float | None = None
+    _staged: cf.Future = field(default_factory=cf.Future)
+    _ck: "Checkpointer | None" = None
+
+    def wait_staged(self, timeout: float | None = None) -> float:
+        """Block until every tensor is copied into the agent's memory; return the seconds the copy took."""
+        self._staged.result(timeout)
+        return (self.staged_at or time.perf_counter()) - self.started
+
+    def staged(self) -> bool:
+        return self._staged.done()
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Block until the agent wrote this step to every tier it goes to; raise its errors."""
+        self.wait_staged(timeout)
+        if self._ck is not None:
+            self._ck._agent_wait(self.step, timeout)
+
+
+@dataclass
+class RestoreReport:
+    """What a restore did: the step, and per shard of this rank which tier served it and how fast."""
+
+    step: int
+    shards: list[ShardReport]
+    seconds: float
+
+    @property
+    def tiers(self) -> list[str]:
+        return [s.tier for s in self.shards]
+
+
+class Checkpointer:
+    """Tiered checkpoints for one job; see the module docstring for the call order.
+
+    Arguments not given come from ``CKPT_*`` variables, then the TOML config,
+    then defaults (:class:`agents.config.Settings`). When an agent already runs
+    on this node's memory folder its tier settings win; when none runs one is
+    started (``spawn=True``) and stopped after the job.
+
+    Raises InvalidNameError for a bad job name, AgentUnreachableError when no
+    agent runs and ``spawn`` is False.
+    """
+
+    def __init__(
+        self,
+        job: str,
+        *,
+        every: int = 1,
+        disk: str | None = None,
+        s3: str | None = None,
+        agent: str | None = None,
+        shm: str | None = None,
+        s3_endpoint: str | None = None,
+        disk_every: int | None = None,
+        s3_every: int | None = None,
+        keep_memory: int | None = None,
+        keep_disk: int | None = None,
+        keep_s3: int | None = None,
+        metadata: dict | None = None,
+        spawn: bool = True,
+        config: str | None = None,
+        idle_exit: float = 120.0,
+        verify: bool = True,
+    ) -> None:
+        self.job = keys.check_job(job)
+        if not isinstance(every, int) or every < 1:
+            raise ValueError(f"every must be an integer >= 1, got {every!r}")
+        self.every = every
+        self.metadata = dict(metadata or {})
+        self.verify = verify
+        args = dict(shm=shm, disk=disk, s3=s3, s3_endpoint=s3_endpoint, socket=agent, disk_every=disk_every,
+                    s3_every=s3_every, keep_memory=keep_memory, keep_disk=keep_disk, keep_s3=keep_s3)
+        self.settings = Settings.load(args, config_file=config)
+        if dist.is_available() and dist.is_initialized():
+            self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        else:
+            self.rank, self.world = 0, 1
+        for attempt in range(5):
+            # an agent that is shutting down may accept and then drop us: try again, then start a new one
+            self._client, self._started_agent = connect_or_spawn(self.settings, spawn=spawn, idle_exit=idle_exit)
+            try:
+                hello = self._client.call("hello")
+                break
+            except AgentUnreachableError:
+                self._client.close()
+                if attempt == 4:
+                    raise
+                time.sleep(0.2 * (attempt + 1))
+        agent_settings = Settings.load(hello["settings"], env={})
+        for name, mine in args.items():
+            theirs = getattr(agent_settings, name)
+            if mine is not None and name != "socket" and mine != theirs:
+                log.warning("the running agent uses %s=%r, not %r: its setting wins", name, theirs, mine)
+        self.settings = agent_settings
+        self._pool = cf.ThreadPoolExecutor(1, thread_name_prefix="tierckpt-stage")
+        self._maps: dict[str, tuple[int, mmap.mmap, torch.Tensor | None]] = {}
+        self._inflight: SaveFuture | None = None
+        self._errors: list[str] = []
+        self._hooks: dict[int, Any] = {}
+        self._lock = threading.Lock()
+        self._closed = False
+        self.last_restore: RestoreReport | None = None
+        self.skipped: list[tuple[int, str]] = []
+
+    # ------------------------------------------------------------------ tiers
+    def tiers(self) -> list[Tier]:
+        """The tiers to restore from, cheapest first: memory, disk, S3."""
+        out: list[Tier] = [MemoryTier(self.settings.shm)]
+        if self.settings.disk:
+            out.append(DiskTier(self.settings.disk, compress=self.settings.compress))
+        if self.settings.s3:
+            from tiers.s3 import S3Tier
+
+            out.append(S3Tier.from_url(self.settings.s3, endpoint_url=self.settings.s3_endpoint,
+                                       retry_deadline=min(self.settings.s3_retry_deadline, 30.0)))
+        return out
+
+    # ------------------------------------------------------------------ errors
+    def _collect(self, resp: dict) -> None:
+        errs = resp.get("errors") or []
+        if errs:
+            with self._lock:
+                self._errors.extend(errs)
+
+    def _raise_pending(self) -> None:
+        with self._lock:
+            errs, self._errors = self._errors, []
+        if errs:
+            raise CheckpointError(
+                f"{len(errs)} background checkpoint error(s) for job {self.job!r}: " + " | ".join(errs)
+            )
+
+    # ------------------------------------------------------------------ save
+    def _wait_guarded(self, *_: Any) -> None:
+        f = self._inflight
+        if f is not None and not f.staged():
+            try:
+                f.wait_staged()
+            except Exception:
+                pass  # stored; raised at the next save/wait/close
+
+    def _install_hooks(self, optims: list[torch.optim.Optimizer]) -> None:
+        for o in optims:
+            if id(o) not in self._hooks:
+                self._hooks[id(o)] = o.register_step_pre_hook(self._wait_guarded)
+
+    def _map(self, slot: str, nbytes: int) -> torch.Tensor | None:
+        cached = self._maps.get(slot)
+        if cached is not None and cached[0] == nbytes:
+            return cached[2]
+        if cached is not None:
+            cached[1].close()
+        if nbytes == 0:
+            self._maps[slot] = (0, None, None)  # type: ignore[arg-type]
+            return None
+        with open(slot, "r+b") as f:
+            flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+            mm = mmap.mmap(f.fileno(), nbytes, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        buf = torch.frombuffer(mm, dtype=torch.uint8)
+        self._maps[slot] = (nbytes, mm, buf)
+        return buf
+
+    def save(self, step: int, state: dict, *, metadata: dict | None = None) -> SaveFuture | None:
+        """Checkpoint ``state`` at ``step`` if ``every`` selects it; return its SaveFuture, else None.
+
+        Returns once the copy into host memory is under way (see the module
+        docstring). Raises CheckpointError for an earlier save that failed in
+        the background, StateError for a state it cannot save.
+        """
+        keys.check_step(step)
+        if self._closed:
+            raise RuntimeError("the Checkpointer is closed")
+        self._raise_pending()
+        if step % self.every:
+            return None
+        if self._inflight is not None:
+            self._wait_guarded()
+            self._raise_pending()
+        flat = flatten_state(state)
+        entries, copies, total = self._layout(flat)
+        resp = self._client.call("begin", job=self.job, rank=self.rank, world=self.world, nbytes=total)
+        self._collect(resp)
+        if resp.get("skip"):
+            log.warning("step %d not checkpointed: %s", step, resp["skip"])
+            self.skipped.append((step, resp["skip"]))
+            return None
+        slot = resp["slot"]
+        fut = SaveFuture(step, _ck=self)
+        try:
+            buf = self._map(slot, total)
+            now = [(src, off, n) for src, off, n, guarded in copies if not guarded]
+            later = [(src, off, n) for src, off, n, guarded in copies if guarded]
+            self._copy(buf, now)
+        except BaseException:
+            self._client.call("release", slot=slot)
+            raise
+        meta = {**self.metadata, **(metadata or {})}
+        self._install_hooks(flat.optimizers)
+        self._inflight = fut
+
+        def finish() -> None:
+            try:
+                self._copy(buf, later)
+                fut.staged_at = time.perf_counter()
+                r = self._client.call("commit", job=self.job, step=step, rank=self.rank, world=self.world,
+                                      slot=slot, nbytes=total, entries=entries, save_index=step // self.every,
+                                      metadata=meta)
+                self._collect(r)
+                fut._staged.set_result(None)
+            except BaseException as e:
+                with self._lock:
+                    self._errors.append(f"step {step}: staging failed: {type(e).__name__}: {e}")
+                try:
+                    self._client.call("release", slot=slot)
+                except Exception:
+                    pass
+                fut._staged.set_exception(CheckpointError(f"step {step}: staging failed: {e}"))
+
+        if later:
+            self._pool.submit(finish)
+        else:
+            finish()
+        return fut
+
+    @staticmethod
+    def _copy(buf: torch.Tensor | None, items: list[tuple[torch.Tensor, int, int]]) -> None:
+        for src, off, n in items:
+            if n == 0:
+                continue
+            dst = buf[off : off + n].view(src.dtype).view(src.shape)
+            dst.copy_(src)
+
+    def _layout(self, flat: Flat) -> tuple[list[dict], list[tuple[torch.Tensor, int, int, bool]], int]:
+        entries: list[dict] = []
+        copies = []
+        off = 0
+        for leaf in flat.leaves:
+            if leaf.tensor is None:
+                v = list(leaf.value) if isinstance(leaf.value, tuple) else leaf.value
+                entries.append(JsonEntry(leaf.name, v).to_json())
+                continue
+            local, gshape, offsets = _local(leaf.tensor.detach())
+            n = local.numel() * local.element_size()
+            off = (off + _ALIGN - 1) // _ALIGN * _ALIGN
+            entries.append(TensorChunk(leaf.name, _dtype_name(local.dtype), gshape, offsets,
+                                       tuple(local.shape), off, n).to_json())
+            copies.append((local, off, n, leaf.guarded))
+            off += n
+        return entries, copies, off
+
+    # ------------------------------------------------------------------ wait / close
+    def _agent_wait(self, step: int | None, timeout: float | None) -> None:
+        r = self._client.call("wait", io_timeout=None if timeout is None else timeout + 5,
+                              job=self.job, step=step, timeout=timeout or 3600)
+        self._collect(r)
+        self._raise_pending()
+        if not r.get("done"):
+            raise TimeoutError(f"the agent had not finished writing job {self.job!r} after {timeout} s")
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Block until every save so far is staged and written to all its tiers; raise background errors."""
+        if self._inflight is not None:
+            try:
+                self._inflight.wait_staged(timeout)
+            except CheckpointError:
+                pass
+        self._agent_wait(None, timeout)
+
+    def close(self) -> None:
+        """Wait for outstanding saves, raise their errors once, release hooks and the agent."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self.wait()
+        finally:
+            for h in self._hooks.values():
+                h.remove()
+            self._hooks.clear()
+            self._pool.shutdown(wait=True)
+            if self._started_agent and self.world == 1:
+                try:
+                    self._client.call("shutdown")
+                    # the agent answers before it stops: wait until it is gone so a new one can start cleanly
+                    deadline = time.monotonic() + self.settings.grace + 5
+                    while time.monotonic() < deadline:
+                        probe = AgentClient.try_connect(self.settings.socket_path, timeout=1)
+                        if probe is None:
+                            break
+                        probe.close()
+                        time.sleep(0.02)
+                except (AgentError, AgentUnreachableError):
+                    pass
+            self._client.close()
+            for _, mm, _ in self._maps.values():
+                if mm is not None:
+                    try:
+                        mm.close()
+                    except BufferError:
+                        pass
+            self._maps.clear()
+
+    def __enter__(self) -> "Checkpointer":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.close()
+            return
+        try:
+            self.close()
+        except Exception as e:  # the training loop's own exception is the one to see
+            log.error("while closing after %s: %s", exc_type.__name__, e)
+
+    # ------------------------------------------------------------------ restore
+    def latest_step(self) -> int | None:
+        """The newest step complete in any tier this rank can reach, or None."""
+        from recovery.planner import complete_steps
+
+        steps = complete_steps(scan_tiers(self.tiers(), self.job), self.job)
+        return steps[-1] if steps else None
+
+    def restore(self, state: dict, step: int | None = None) -> int | None:
+        """Load the newest complete step (or ``step``) into ``state`` in place; return it, or None if none.
+
+        Under torch.distributed every rank restores the same step: the newest
+        one all ranks can reach. Each shard comes from the cheapest tier that
+        holds it intact (checksums verified; on a mismatch the next tier is
+        read). Raises StepNotFoundError for a ``step`` that is not complete,
+        StateMismatchError when ``state`` does not match the checkpoint.
+        """
+        t0 = time.perf_counter()
+        tiers = self.tiers()
+        invs = scan_tiers(tiers, self.job)
+        from recovery.planner import complete_steps
+
+        steps = complete_steps(invs, self.job)
+        if step is None:
+            mine = steps[-1] if steps else -1
+        else:
+            keys.check_step(step)
+            if step not in steps:
+                raise StepNotFoundError(
+                    f"step {step} of job {self.job!r} is not complete in any tier; complete steps: {steps[-10:] or 'none'}")
+            mine = step
+        agreed = mine
+        if self.world > 1:
+            t = torch.tensor([mine], dtype=torch.int64)
+            dist.all_reduce(t, op=dist.ReduceOp.MIN)
+            agreed = int(t.item())
+            if agreed != mine and agreed >= 0 and agreed not in steps:
+                raise StepNotFoundError(f"rank {self.rank} cannot reach step {agreed} that the other ranks agreed on")
+        if agreed < 0:
+            return None
+        plan = plan_restore(invs, self.job, agreed)
+        if plan.manifest.world != self.world:
+            raise StateMismatchError(
+                f"step {agreed} of {self.job!r} was saved by {plan.manifest.world} ranks, this job has "
+                f"{self.world}: restoring across world sizes is not supported yet; restart with "
+                f"{plan.manifest.world} ranks or export it with `ckpt restore --format dcp`")
+        report = self._load(plan, state)
+        self.last_restore = RestoreReport(agreed, [report], time.perf_counter() - t0)
+        log.info("rank %d restored %s step %d from %s in %.3f s", self.rank, self.job, agreed, report.tier,
+                 self.last_restore.seconds)
+        return agreed
+
+    def _load(self, plan: RestorePlan, state: dict) -> ShardReport:
+        info = plan.manifest.shard(self.rank)
+        buf = torch.empty(max(info.size, 1), dtype=torch.uint8)
+        report = fetch_shard(plan, self.rank, _buffer_view(buf.data_ptr(), info.size), verify=self.verify)
+        by_name = {e.name: e for e in info.entries}
+        flat = flatten_state(state, for_restore=True)
+        missing = [leaf.name for leaf in flat.leaves if leaf.name not in by_name]
+        if missing:
+            raise StateMismatchError(
+                f"step {plan.step} of {plan.job!r} has no {', '.join(missing[:5])}"
+                f"{' …' if len(missing) > 5 else ''}: the state does not match the checkpoint")
+        with torch.no_grad():
+            for leaf in flat.leaves:
+                self._fill(leaf, by_name[leaf.name], buf)
+        for apply in flat.appliers:
+            apply()
+        return report
+
+    @staticmethod
+    def _fill(leaf: Leaf, entry: Any, buf: torch.Tensor) -> None:
+        if leaf.tensor is None:
+            if not isinstance(entry, JsonEntry):
+                raise StateMismatchError(f"{leaf.name} is a value in the state but a tensor in the checkpoint")
+            v = tuple(entry.value) if isinstance(leaf.value, tuple) and isinstance(entry.value, list) else entry.value
+            if leaf.parent is not None and not isinstance(leaf.parent, tuple):
+                leaf.parent[leaf.key] = v
+            return
+        if not isinstance(entry, TensorChunk):
+            raise StateMismatchError(f"{leaf.name} is a tensor in the state but a value in the checkpoint")
+        local, gshape, offsets = _local(leaf.tensor)
+        dt = _dtype(entry.dtype)
+        if dt != local.dtype or tuple(local.shape) != entry.shape or gshape != entry.global_shape \
+                or offsets != entry.offsets:
+            raise StateMismatchError(
+                f"{leaf.name}: the state has {_dtype_name(local.dtype)}{list(local.shape)} at {list(offsets)} of "
+                f"{list(gshape)}, the checkpoint {entry.dtype}{list(entry.shape)} at {list(entry.offsets)} of "
+                f"{list(entry.global_shape)}")
+        if entry.nbytes:
+            src = buf[entry.offset : entry.offset + entry.nbytes].view(dt).view(entry.shape)
+            local.copy_(src)
