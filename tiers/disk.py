@@ -82,8 +82,9 @@ class DiskTier(FolderTier):
         buf = memoryview(buf).cast("B")
         try:
             with lz4.frame.LZ4FrameFile(path, "rb") as f:
-                if offset:
-                    f.seek(offset)
+                # seek stops at the end of the data, so a short seek means offset is past it
+                if offset and f.seek(offset) != offset:
+                    raise TierError(errno.EINVAL, f"{key}: read at {offset} past its end")
                 done = 0
                 while done < len(buf):
                     n = f.readinto(buf[done:])

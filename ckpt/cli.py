@@ -1,0 +1,410 @@
+"""``ckpt``: run the node agent; list, show, verify, restore and garbage-collect checkpoints.
+
+``ckpt agent``, ``list``, ``show``, ``verify`` and ``gc`` never import torch.
+Every command finds the tiers the same way: flags (``--shm``, ``--disk``,
+``--s3``), then ``CKPT_*`` variables, then the TOML config; a running agent on
+the memory folder fills in whatever was not given. Errors print one line that
+says what is wrong and what to do, and exit non-zero.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import time
+from typing import Any
+
+from agents.config import Settings, SettingsError
+from agents.protocol import AgentClient, AgentError, AgentUnreachableError
+from recovery import JobNotFoundError, StepNotFoundError, fetch_shard, plan_restore, scan_tiers
+from recovery.fetch import ShardUnavailableError
+from recovery.planner import complete_steps
+from tiers import keys
+from tiers.base import Tier
+from tiers.checksum import checksum_bytes
+from tiers.disk import DiskTier
+from tiers.errors import InvalidNameError, ManifestError, TierError
+from tiers.manifest import JsonEntry, TensorChunk
+from tiers.memory import MemoryTier
+
+__all__ = ["main"]
+
+EXIT_ERROR = 1
+EXIT_USAGE = 2
+EXIT_CORRUPT = 3
+
+
+class CliError(Exception):
+    """An error to print as one line."""
+
+
+def _tier_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("where checkpoints live (else CKPT_* variables, the TOML config, the running agent)")
+    g.add_argument("--shm", help="host-memory folder of this node's memory tier")
+    g.add_argument("--disk", help="local disk folder of the disk tier")
+    g.add_argument("--s3", help="s3://bucket/prefix of the S3 tier")
+    g.add_argument("--s3-endpoint", help="S3-compatible endpoint URL")
+    g.add_argument("--config", help="TOML config file (default: $CKPT_CONFIG, ./tierckpt.toml)")
+    g.add_argument("--socket", help="the node agent's Unix socket")
+
+
+def _settings(a: argparse.Namespace, extra: dict | None = None) -> Settings:
+    args = {"shm": a.shm, "disk": a.disk, "s3": a.s3, "s3_endpoint": a.s3_endpoint, "socket": a.socket}
+    args.update(extra or {})
+    s = Settings.load(args, config_file=a.config)
+    if a.cmd == "agent":
+        return s
+    client = AgentClient.try_connect(s.socket_path, timeout=5)
+    if client is not None:
+        try:
+            theirs = Settings.load(client.call("hello")["settings"], env={})
+            env_given = {f for f in ("disk", "s3", "s3_endpoint") if os.environ.get(f"CKPT_{f.upper()}")}
+            for name in ("disk", "s3", "s3_endpoint", "compress"):
+                if args.get(name) is None and name not in env_given:
+                    setattr(s, name, getattr(theirs, name))
+        except (AgentError, AgentUnreachableError, KeyError):
+            pass
+        finally:
+            client.close()
+    return s
+
+
+def _tiers(s: Settings, *, s3_deadline: float = 20.0) -> list[Tier]:
+    out: list[Tier] = [MemoryTier(s.shm)] if os.path.isdir(s.shm) else []
+    if s.disk:
+        if not os.path.isdir(s.disk):
+            raise CliError(f"disk folder {s.disk} does not exist: check --disk / CKPT_DISK")
+        out.append(DiskTier(s.disk, compress=s.compress))
+    if s.s3:
+        from tiers.s3 import S3Tier
+
+        out.append(S3Tier.from_url(s.s3, endpoint_url=s.s3_endpoint, retry_deadline=s3_deadline, max_attempts=3))
+    if not out:
+        raise CliError("no tier to look in: give --shm, --disk or --s3 (or start the node agent)")
+    return out
+
+
+def _fmt_bytes(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def _fmt_age(seconds: float) -> str:
+    if seconds < 120:
+        return f"{seconds:.0f}s"
+    if seconds < 7200:
+        return f"{seconds / 60:.0f}m"
+    if seconds < 172800:
+        return f"{seconds / 3600:.0f}h"
+    return f"{seconds / 86400:.0f}d"
+
+
+def _table(rows: list[list[str]]) -> str:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def _inventories(s: Settings, job: str):
+    invs = scan_tiers(_tiers(s))
+    for inv in invs:
+        if inv.error is not None:
+            print(f"ckpt: warning: the {inv.name} tier could not be listed: {inv.error}", file=sys.stderr)
+    if not any(inv.job(job) for inv in invs):
+        reachable = [inv for inv in invs if inv.error is None]
+        if not reachable:
+            raise CliError("no tier could be reached; see the warnings above")
+        others = sorted({j for inv in reachable for j in inv.steps})
+        known = f"jobs there: {', '.join(others[:10])}" if others else "no job is there"
+        raise JobNotFoundError(
+            f"no checkpoint of job {job!r} in {', '.join(i.tier.describe() for i in reachable)} ({known}): "
+            "check the job name and --shm/--disk/--s3")
+    return invs
+
+
+# ---------------------------------------------------------------------- commands
+def cmd_agent(a: argparse.Namespace) -> int:
+    from agents.daemon import run_agent
+
+    extra = {"disk_every": a.disk_every, "s3_every": a.s3_every, "keep_memory": a.keep_memory,
+             "keep_disk": a.keep_disk, "keep_s3": a.keep_s3, "compress": True if a.compress else None,
+             "node_rank": a.node_rank}
+    s = _settings(a, extra)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    return run_agent(s)
+
+
+def cmd_list(a: argparse.Namespace) -> int:
+    job = keys.check_job(a.job)
+    s = _settings(a)
+    invs = _inventories(s, job)
+    steps = sorted({st for inv in invs for st in inv.job(job)}, reverse=True)
+    now = time.time()
+    rows = [["step"] + [inv.name for inv in invs] + ["size", "age", "restorable"]]
+    restorable = set(complete_steps(invs, job))
+    for step in steps:
+        row = [str(step)]
+        size, created = 0, 0.0
+        for inv in invs:
+            st = inv.job(job).get(step)
+            if inv.error is not None:
+                row.append("?")
+            elif st is None:
+                row.append("-")
+            elif st.complete:
+                row.append("complete")
+                size = size or st.manifest.total_bytes
+                created = created or st.manifest.created
+            else:
+                row.append("partial" if not st.problem else "bad manifest")
+        row += [_fmt_bytes(size) if size else "?", _fmt_age(now - created) if created else "?",
+                "yes" if step in restorable else "no"]
+        rows.append(row)
+    print(_table(rows))
+    return 0
+
+
+def cmd_show(a: argparse.Namespace) -> int:
+    job = keys.check_job(a.job)
+    s = _settings(a)
+    invs = _inventories(s, job)
+    plan = plan_restore(invs, job, a.step)
+    m = plan.manifest
+    print(f"job {job}  step {m.step}  world {m.world}  {_fmt_bytes(m.total_bytes)}  "
+          f"saved {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(m.created))}  by {m.library} v{m.version}")
+    if m.metadata:
+        print("metadata:", json.dumps(m.metadata, sort_keys=True))
+    rows = [["rank", "size", "checksum", "tiers (cheapest first)"]]
+    for sh in m.shards:
+        rows.append([str(sh.rank), _fmt_bytes(sh.size), sh.checksum, ", ".join(t.name for t in plan.sources[sh.rank])])
+    print(_table(rows))
+    print()
+    rows = [["name", "dtype", "global shape", "rank: offsets"]]
+    tensors: dict[str, list] = {}
+    values: dict[str, Any] = {}
+    for sh in m.shards:
+        for e in sh.entries:
+            if isinstance(e, TensorChunk):
+                tensors.setdefault(e.name, []).append((sh.rank, e))
+            elif sh.rank == 0:
+                values[e.name] = e.value
+    for name, chunks in tensors.items():
+        e0 = chunks[0][1]
+        where = " ".join(f"{r}:{list(e.offsets)}" for r, e in chunks[:4]) + (" …" if len(chunks) > 4 else "")
+        rows.append([name, e0.dtype, str(list(e0.global_shape)), where])
+    print(_table(rows))
+    if values:
+        print()
+        for name, v in values.items():
+            print(f"{name} = {json.dumps(v)}")
+    return 0
+
+
+def cmd_verify(a: argparse.Namespace) -> int:
+    job = keys.check_job(a.job)
+    s = _settings(a)
+    invs = _inventories(s, job)
+    steps = [a.step] if a.step is not None else sorted({st for inv in invs for st in inv.job(job)})
+    if a.step is not None and not any(a.step in inv.job(job) for inv in invs):
+        raise StepNotFoundError(f"step {a.step} of job {job!r} is in no tier; `ckpt list {job}` shows the steps")
+    rows = [["step", "tier", "rank", "result"]]
+    bad = 0
+    for step in steps:
+        for inv in invs:
+            st = inv.job(job).get(step)
+            if st is None:
+                continue
+            if st.manifest is None:
+                rows.append([str(step), inv.name, "-", st.problem or "no manifest (incomplete)"])
+                bad += bool(st.problem)
+                continue
+            for sh in st.manifest.shards:
+                key = keys.shard_key(job, step, sh.rank)
+                if st.shards.get(sh.rank) is None:
+                    rows.append([str(step), inv.name, str(sh.rank), "missing"])
+                    bad += 1
+                    continue
+                try:
+                    data = inv.tier.get(key)
+                    ok = len(data) == sh.size and checksum_bytes(data) == sh.checksum
+                    rows.append([str(step), inv.name, str(sh.rank), "ok" if ok else "CORRUPT (checksum mismatch)"])
+                    bad += not ok
+                except (TierError, OSError) as e:
+                    rows.append([str(step), inv.name, str(sh.rank), f"unreadable: {e}"])
+                    bad += 1
+    print(_table(rows))
+    if bad:
+        print(f"ckpt: {bad} problem(s) found; a restore will read another tier where one is intact", file=sys.stderr)
+        return EXIT_CORRUPT
+    return 0
+
+
+def cmd_gc(a: argparse.Namespace) -> int:
+    job = keys.check_job(a.job)
+    s = _settings(a)
+    invs = _inventories(s, job)
+    removed = 0
+    for inv in invs:
+        if inv.error is not None:
+            continue
+        for step, st in sorted(inv.job(job).items()):
+            drop = a.all or (a.step is not None and step == a.step) or (a.step is None and not st.complete)
+            if not drop:
+                continue
+            inv.tier.delete(keys.manifest_key(job, step))
+            for k in inv.tier.list(keys.step_prefix(job, step)):
+                inv.tier.delete(k)
+            print(f"removed step {step} from {inv.name}")
+            removed += 1
+        if isinstance(inv.tier, MemoryTier):
+            inv.tier.drop_slots(job)
+    if not removed:
+        print("nothing to remove")
+    return 0
+
+
+def _unescape(seg: str) -> Any:
+    if seg.startswith("~i"):
+        return int(seg[2:])
+    return seg.replace("~1", "/").replace("~0", "~")
+
+
+def _nest(flat: dict[str, Any]) -> dict:
+    root: dict = {}
+    for name, v in flat.items():
+        parts = [_unescape(p) for p in name.split("/")]
+        d = root
+        for p in parts[:-1]:
+            d = d.setdefault(p, {})
+        d[parts[-1]] = v
+
+    def lists(x: Any) -> Any:
+        if isinstance(x, dict):
+            x = {k: lists(v) for k, v in x.items()}
+            if x and all(isinstance(k, int) for k in x) and sorted(x) == list(range(len(x))):
+                return [x[i] for i in range(len(x))]
+        return x
+
+    return lists(root)
+
+
+def cmd_restore(a: argparse.Namespace) -> int:
+    import torch
+    from tqdm import tqdm
+
+    from ckpt.checkpointer import _buffer_view, _dtype
+
+    job = keys.check_job(a.job)
+    s = _settings(a)
+    invs = _inventories(s, job)
+    plan = plan_restore(invs, job, a.step)
+    m = plan.manifest
+    out: dict[str, Any] = {}
+    sources = []
+    with tqdm(total=m.total_bytes, unit="B", unit_scale=True, desc=f"step {m.step}",
+              disable=not sys.stderr.isatty() and not a.progress) as bar:
+        for sh in m.shards:
+            buf = torch.empty(max(sh.size, 1), dtype=torch.uint8)
+            rep = fetch_shard(plan, sh.rank, _buffer_view(buf.data_ptr(), sh.size))
+            sources.append(rep)
+            bar.update(sh.size)
+            bar.set_postfix_str(f"rank {sh.rank} from {rep.tier}")
+            for e in sh.entries:
+                if isinstance(e, JsonEntry):
+                    if sh.rank == 0 or e.name not in out:
+                        out[e.name] = e.value
+                    continue
+                full = out.get(e.name)
+                if full is None:
+                    full = out[e.name] = torch.empty(e.global_shape, dtype=_dtype(e.dtype))
+                src = buf[e.offset: e.offset + e.nbytes].view(_dtype(e.dtype)).view(e.shape)
+                idx = tuple(slice(o, o + n) for o, n in zip(e.offsets, e.shape))
+                full[idx].copy_(src)
+    state = _nest(out)
+    os.makedirs(a.to, exist_ok=True)
+    if a.format == "torch":
+        path = os.path.join(a.to, "checkpoint.pt")
+        torch.save(state, path)
+    else:
+        import torch.distributed.checkpoint as dcp
+
+        dcp.save(state, storage_writer=dcp.FileSystemWriter(a.to), no_dist=True)
+        path = a.to
+    rows = [["rank", "tier", "size", "seconds", "GB/s"]]
+    for r in sources:
+        rows.append([str(r.rank), r.tier, _fmt_bytes(r.nbytes), f"{r.seconds:.3f}", f"{r.gbps:.2f}"])
+    print(_table(rows))
+    print(f"restored {job} step {m.step} ({_fmt_bytes(m.total_bytes)}) to {path} as {a.format}")
+    return 0
+
+
+# ---------------------------------------------------------------------- main
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="ckpt", description="tiered checkpoints for PyTorch training")
+    sub = p.add_subparsers(dest="cmd", required=True)
+
+    ag = sub.add_parser("agent", help="run this node's checkpoint agent (foreground)")
+    _tier_flags(ag)
+    ag.add_argument("--node-rank", type=int)
+    ag.add_argument("--disk-every", type=int, help="write every Nth save to disk")
+    ag.add_argument("--s3-every", type=int, help="write every Nth save to S3")
+    ag.add_argument("--keep-memory", type=int)
+    ag.add_argument("--keep-disk", type=int)
+    ag.add_argument("--keep-s3", type=int)
+    ag.add_argument("--compress", action="store_true", help="LZ4-compress shards on disk")
+    ag.set_defaults(fn=cmd_agent)
+
+    for name, fn, hlp in (("list", cmd_list, "steps x tiers: complete or not, size, age"),
+                          ("show", cmd_show, "one step: shards, tensors, where each is"),
+                          ("verify", cmd_verify, "check every checksum in every tier"),
+                          ("gc", cmd_gc, "remove incomplete steps (or --step N / --all) and free slots")):
+        sp = sub.add_parser(name, help=hlp)
+        sp.add_argument("job")
+        if name != "list":
+            sp.add_argument("--step", type=int)
+        if name == "gc":
+            sp.add_argument("--all", action="store_true", help="remove every step of the job from every tier")
+        _tier_flags(sp)
+        sp.set_defaults(fn=fn)
+
+    rs = sub.add_parser("restore", help="export a step to a folder as DCP or torch.save")
+    rs.add_argument("job")
+    rs.add_argument("--step", type=int)
+    rs.add_argument("--to", required=True, help="output folder")
+    rs.add_argument("--format", choices=("dcp", "torch"), default="dcp")
+    rs.add_argument("--progress", action="store_true", help="show the progress bar even when not on a terminal")
+    _tier_flags(rs)
+    rs.set_defaults(fn=cmd_restore)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = build_parser()
+    a = p.parse_args(argv)
+    try:
+        if getattr(a, "step", None) is not None and a.step < 0:
+            raise InvalidNameError(f"invalid step {a.step}: a step is an integer >= 0")
+        return a.fn(a)
+    except (InvalidNameError, SettingsError) as e:
+        print(f"ckpt: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    except ShardUnavailableError as e:
+        print(f"ckpt: error: {e}", file=sys.stderr)
+        return EXIT_CORRUPT
+    except (JobNotFoundError, StepNotFoundError, ManifestError, CliError, TierError, AgentError,
+            AgentUnreachableError, OSError) as e:
+        print(f"ckpt: error: {e}", file=sys.stderr)
+        return EXIT_ERROR
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
