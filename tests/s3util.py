@@ -230,13 +230,17 @@ class FaultProxy:
                     return
                 head += data
             header, _, rest = head.partition(b"\r\n\r\n")
-            length = 0
+            length, expect = 0, False
             for line in header.split(b"\r\n")[1:]:
                 name, _, value = line.partition(b":")
-                if name.strip().lower() == b"content-length":
+                name = name.strip().lower()
+                if name == b"content-length":
                     length = int(value.strip())
-            # drain the body so the client reads our answer rather than a reset
-            remaining = length - len(rest)
+                elif name == b"expect" and value.strip().lower() == b"100-continue":
+                    expect = True
+            # drain the body so the client reads our answer rather than a reset; a client
+            # waiting for "100 Continue" sends none and takes the answer instead
+            remaining = 0 if expect else length - len(rest)
             while remaining > 0:
                 data = client.recv(min(remaining, 1 << 20))
                 if not data:

@@ -125,6 +125,20 @@ class FolderTier(TierBase):
     def read_into(self, key: str, buf: memoryview, offset: int = 0) -> int:
         return self._read_path(key, self._file(key), buf, offset)
 
+    def get(self, key: str, offset: int = 0, length: int | None = None) -> bytes:
+        if length is not None:
+            return super().get(key, offset, length)
+        # size and bytes from one open file, so a concurrent overwrite cannot tear the read
+        try:
+            with open(self._file(key), "rb") as f:
+                size = os.fstat(f.fileno()).st_size
+                if offset > size:
+                    raise TierError(errno.EINVAL, f"{key}: read at {offset} past its end ({size})")
+                f.seek(offset)
+                return f.read()
+        except FileNotFoundError as e:
+            raise KeyNotFoundError(errno.ENOENT, f"{key} is not in the {self.name} tier at {self.root}") from e
+
     def _read_path(self, key: str, path: str, buf: memoryview, offset: int) -> int:
         buf = memoryview(buf).cast("B")
         try:

@@ -15,7 +15,7 @@ import os
 import lz4.frame
 
 from ._folder import FolderTier
-from .base import ObjectInfo, Source
+from .base import ObjectInfo, Source, TierBase
 from .errors import KeyNotFoundError, TierError
 
 __all__ = ["DiskTier"]
@@ -93,6 +93,23 @@ class DiskTier(FolderTier):
                     done += n
                 return done
         except RuntimeError as e:  # lz4 reports a damaged frame this way
+            raise TierError(errno.EIO, f"{key}: damaged LZ4 frame in {path} ({e})") from e
+
+    def get(self, key: str, offset: int = 0, length: int | None = None) -> bytes:
+        path, compressed = self._existing(key)
+        if not compressed or length is not None:
+            return super().get(key, offset, length) if not compressed else TierBase.get(self, key, offset, length)
+        try:
+            with lz4.frame.LZ4FrameFile(path, "rb") as f:
+                if offset and f.seek(offset) != offset:
+                    raise TierError(errno.EINVAL, f"{key}: read at {offset} past its end")
+                data = f.read()
+                if offset and not data and f.tell() < offset:
+                    raise TierError(errno.EINVAL, f"{key}: read at {offset} past its end")
+                return data
+        except FileNotFoundError as e:
+            raise KeyNotFoundError(errno.ENOENT, f"{key} is not in the disk tier at {self.root}") from e
+        except RuntimeError as e:
             raise TierError(errno.EIO, f"{key}: damaged LZ4 frame in {path} ({e})") from e
 
     def stat(self, key: str) -> ObjectInfo:

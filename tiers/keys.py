@@ -30,10 +30,13 @@ __all__ = [
     "parse_key",
 ]
 
-JOB_RE = re.compile(r"^[A-Za-z0-9._-]{1,128}$")
+JOB_RE = re.compile(r"^[A-Za-z0-9._-]{1,128}\Z")
 MANIFEST_NAME = "manifest.json"
-_STEP_DIR_RE = re.compile(r"^step-(0|[1-9][0-9]{0,17})$")
-_SHARD_RE = re.compile(r"^rank-(0|[1-9][0-9]{0,8})\.shard$")
+#: the largest step and rank a key can carry (what ``parse_key`` reads back)
+MAX_STEP = 10**18 - 1
+MAX_RANK = 10**9 - 1
+_STEP_DIR_RE = re.compile(r"^step-(0|[1-9][0-9]{0,17})\Z")
+_SHARD_RE = re.compile(r"^rank-(0|[1-9][0-9]{0,8})\.shard\Z")
 
 
 def check_job(job: str) -> str:
@@ -47,16 +50,16 @@ def check_job(job: str) -> str:
 
 
 def check_step(step: int) -> int:
-    """Return ``step`` if it is an int >= 0, else raise InvalidNameError."""
-    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-        raise InvalidNameError(f"invalid step {step!r}: a step is an integer >= 0")
+    """Return ``step`` if it is an int in [0, MAX_STEP], else raise InvalidNameError."""
+    if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step <= MAX_STEP:
+        raise InvalidNameError(f"invalid step {step!r}: a step is an integer from 0 to {MAX_STEP}")
     return step
 
 
 def check_rank(rank: int) -> int:
-    """Return ``rank`` if it is an int >= 0, else raise InvalidNameError."""
-    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
-        raise InvalidNameError(f"invalid rank {rank!r}: a rank is an integer >= 0")
+    """Return ``rank`` if it is an int in [0, MAX_RANK], else raise InvalidNameError."""
+    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank <= MAX_RANK:
+        raise InvalidNameError(f"invalid rank {rank!r}: a rank is an integer from 0 to {MAX_RANK}")
     return rank
 
 

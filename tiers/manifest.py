@@ -52,6 +52,10 @@ DTYPE_SIZES: dict[str, int] = {
 }
 
 
+def _refuse_constant(name: str) -> None:
+    raise ManifestError(f"malformed manifest: {name} is not a JSON number")
+
+
 def _need(obj: dict, name: str, kind: type | tuple[type, ...], where: str) -> Any:
     if not isinstance(obj, dict) or name not in obj:
         raise ManifestError(f"malformed manifest: {where} has no field {name!r}")
@@ -225,8 +229,10 @@ class Manifest:
         if len(data) > MAX_MANIFEST_BYTES:
             raise ManifestError(f"malformed manifest: {len(data)} bytes is over the {MAX_MANIFEST_BYTES} limit")
         try:
-            obj = json.loads(bytes(data).decode("utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+            obj = json.loads(bytes(data).decode("utf-8"), parse_constant=_refuse_constant)
+        except ManifestError:
+            raise
+        except (ValueError, RecursionError) as e:  # also over-long integers
             raise ManifestError(f"malformed manifest: not valid JSON ({e})") from e
         return cls.from_json(obj, job=job, step=step)
 

@@ -10,7 +10,8 @@
   mixing two versions.
 * Transient failures (throttling, 5xx, refused or cut connections, timeouts)
   are retried with exponential backoff and jitter until ``max_attempts`` tries
-  or ``retry_deadline`` seconds are spent; then :class:`TierUnavailableError`
+  are spent or the next wait would pass ``retry_deadline`` seconds after the
+  first try; then :class:`TierUnavailableError`
   says which endpoint and bucket could not be reached. botocore's own retries
   are off so that one policy, this one, applies.
 
@@ -25,7 +26,6 @@ import errno
 import io
 import os
 import threading
-import time
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from typing import Any, Callable
 from urllib.parse import urlsplit
@@ -291,8 +291,9 @@ class S3Tier(TierBase):
 
     def _translate(self, e: BaseException, what: str, key: str | None, attempts: int, spent: float) -> TierError:
         if _is_transient(e):
+            state = "keeps failing requests" if isinstance(e, ClientError) else "is unreachable"
             return TierUnavailableError(
-                f"S3 endpoint {self.endpoint} (bucket {self.bucket}) is unreachable: {what} failed "
+                f"S3 endpoint {self.endpoint} (bucket {self.bucket}) {state}: {what} failed "
                 f"{attempts} times in {spent:.1f} s ({_describe_error(e)}); check the endpoint URL, "
                 "the network and the credentials, or raise the retry deadline"
             )
@@ -326,19 +327,19 @@ class S3Tier(TierBase):
         """
         name = self._name(key)
         subscribers = [_Progress(on_progress)] if on_progress else None
+        path: str | None = None
+        mv: memoryview | None = None
         if isinstance(src, (str, os.PathLike)):
             path = os.fspath(src)
             size = os.stat(path).st_size
-            def source():
-                return path
         else:
             mv = memoryview(src).cast("B")
             size = mv.nbytes
-            def source():
-                return _MemoryReader(mv)
 
         def attempt() -> None:
-            future = self._transfer.upload(source(), self.bucket, name, subscribers=subscribers)
+            # a file is re-read by name on every attempt; a buffer through a fresh reader
+            fileobj = path if mv is None else _MemoryReader(mv)
+            future = self._transfer.upload(fileobj, self.bucket, name, subscribers=subscribers)
             try:
                 future.result()
             except BaseException:
@@ -381,7 +382,8 @@ class S3Tier(TierBase):
                 if buf is None and offset < size:
                     continue
                 want = 0 if buf is None else len(buf)
-                raise TierError(errno.EINVAL, f"{key}: read of {want} bytes at {offset} past its end ({size})")
+                msg = f"{key}: read of {want} bytes at {offset} past its end ({size})"
+                raise TierError(errno.EINVAL, msg) from None
         raise TierError(errno.EAGAIN, f"{key} kept changing while being read from {self.describe()}; retry later")
 
     def _check_end(self, key: str, offset: int, length: int) -> None:
@@ -397,8 +399,9 @@ class S3Tier(TierBase):
             end = total if buf is None else offset + len(buf)
             if end > total:
                 raise TierError(errno.EINVAL, f"{key}: read of {end - offset} bytes at {offset} past its end ({total})")
-            if not dest:
-                dest.append(memoryview(bytearray(end - offset)))
+            if buf is None and (not dest or len(dest[0]) != end - offset):
+                # first try, or a retry that found the object replaced by one of another size
+                dest[:] = [memoryview(bytearray(end - offset))]
             return dest[0][: min(first, end - offset)]
 
         etag, total = self._get_range(key, name, offset, first, None, place_first)
@@ -447,9 +450,15 @@ class S3Tier(TierBase):
             resp = self._client.get_object(**args)
             body = resp["Body"]
             try:
-                total = int(str(resp["ContentRange"]).rsplit("/", 1)[1])
+                sent = int(resp["ContentLength"])
+                if "ContentRange" in resp:
+                    total = int(str(resp["ContentRange"]).rsplit("/", 1)[1])
+                elif start == 0:
+                    total = sent  # an endpoint that ignores Range sends the whole object
+                else:
+                    raise TierError(errno.EIO, f"{self.endpoint} ignored the Range of a GET for {key}")
                 view = place(total)
-                if int(resp["ContentLength"]) != len(view):
+                if sent != len(view) and "ContentRange" in resp:
                     raise _Changed(errno.EAGAIN, f"{key} changed while being read")
                 done = 0
                 while done < len(view):
@@ -457,10 +466,12 @@ class S3Tier(TierBase):
                     if not n:
                         raise IncompleteReadError(actual_bytes=done, expected_bytes=len(view))
                     done += n
+                if sent > len(view):
+                    body.close()
             except BaseException:
                 body.close()
                 raise
-            return resp["ETag"], total
+            return resp.get("ETag", ""), total
 
         return self._call(f"get {key}", attempt, key, cancel)
 

@@ -1,0 +1,93 @@
+"""Helpers for end-to-end tests: real agent and trainer processes."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+TRAINER = os.path.join(HERE, "trainer.py")
+
+sys.path.insert(0, ROOT)
+
+from agents.config import socket_path_for  # noqa: E402
+from agents.protocol import AgentClient  # noqa: E402
+
+
+def env(**extra: str) -> dict:
+    e = dict(os.environ)
+    e["PYTHONPATH"] = ROOT + os.pathsep + e.get("PYTHONPATH", "")
+    e.setdefault("OMP_NUM_THREADS", "1")
+    e.update(extra)
+    return e
+
+
+def ckpt_cmd(*args: str, check: bool = False, timeout: float = 120) -> subprocess.CompletedProcess:
+    """Run the ``ckpt`` CLI as a user would (``python -m ckpt.cli`` under this interpreter)."""
+    p = subprocess.run([sys.executable, "-m", "ckpt.cli", *args], capture_output=True, text=True,
+                       env=env(), timeout=timeout)
+    if check and p.returncode != 0:
+        raise AssertionError(f"ckpt {' '.join(args)} failed ({p.returncode}): {p.stderr}")
+    return p
+
+
+def start_agent(shm: str, *args: str, log: str | None = None) -> subprocess.Popen:
+    """Start ``ckpt agent --shm SHM ARGS`` and wait until it answers."""
+    logf = open(log or os.path.join(os.path.dirname(shm), f"agent-{time.monotonic_ns()}.log"), "ab")
+    proc = subprocess.Popen([sys.executable, "-m", "ckpt.cli", "agent", "--shm", shm, *args],
+                            stdout=logf, stderr=subprocess.STDOUT, env=env())
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        c = AgentClient.try_connect(socket_path_for(shm), timeout=2)
+        if c is not None:
+            c.close()
+            return proc
+        if proc.poll() is not None:
+            raise AssertionError(f"agent exited with {proc.returncode}; log: {logf.name}")
+        time.sleep(0.05)
+    proc.kill()
+    raise AssertionError("agent did not come up within 30 s")
+
+
+def agent_call(shm: str, op: str, **kw) -> dict:
+    with AgentClient(socket_path_for(shm), timeout=120) as c:
+        return c.call(op, **kw)
+
+
+def kill9(proc: subprocess.Popen) -> None:
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(30)
+
+
+def run_trainer(*args: str, timeout: float = 240, hang: bool = False) -> subprocess.Popen | subprocess.CompletedProcess:
+    """Run tests/trainer.py. With ``hang``: return the live process once it printed ``STAGED``."""
+    cmd = [sys.executable, TRAINER, *args]
+    if not hang:
+        p = subprocess.run(cmd, capture_output=True, text=True, env=env(), timeout=timeout)
+        if p.returncode != 0:
+            raise AssertionError(f"trainer failed ({p.returncode}):\n{p.stdout}\n{p.stderr}")
+        return p
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env())
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if line.startswith("STAGED"):
+            return proc
+        if not line and proc.poll() is not None:
+            raise AssertionError(f"trainer exited with {proc.returncode} before staging: {proc.stderr.read()}")
+    proc.kill()
+    raise AssertionError("trainer did not stage in time")
+
+
+def read_events(path: str) -> list[dict]:
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def losses(events: list[dict]) -> dict[int, str]:
+    return {e["step"]: e["loss"] for e in events if "step" in e}

@@ -1,0 +1,112 @@
+"""A small deterministic training job for end-to-end tests (run as a real process).
+
+Each step's batch depends only on the step number, so a run resumed from a
+checkpoint must produce bit-identical losses to an uninterrupted run. One JSON
+line per event goes to ``--out``: ``{"restored": step, "tiers": [...]}`` and
+``{"step": s, "loss": "<float.hex>"}``; ``STAGED <step>`` is printed on stdout
+when a save's copy is complete (tests kill the process after it).
+
+    python tests/trainer.py --job J --shm DIR [--disk DIR] [--s3 URL --s3-endpoint URL]
+           --steps N [--every K] [--hang-after S] [--fsdp] [--out FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+
+import ckpt
+
+
+def build(fsdp: bool, width: int):
+    torch.manual_seed(1234)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(32, width), torch.nn.LayerNorm(width), torch.nn.GELU(),
+        torch.nn.Linear(width, width), torch.nn.GELU(), torch.nn.Linear(width, 8),
+    )
+    if fsdp:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh("cpu", (torch.distributed.get_world_size(),))
+        for layer in model:
+            if isinstance(layer, torch.nn.Linear):
+                fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
+    return model, optim
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--job", required=True)
+    p.add_argument("--shm", required=True)
+    p.add_argument("--disk")
+    p.add_argument("--s3")
+    p.add_argument("--s3-endpoint")
+    p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--every", type=int, default=1)
+    p.add_argument("--disk-every", type=int)
+    p.add_argument("--s3-every", type=int)
+    p.add_argument("--hang-after", type=int, default=-1, help="after staging this step, print and block")
+    p.add_argument("--fsdp", action="store_true")
+    p.add_argument("--width", type=int, default=64)
+    p.add_argument("--no-spawn", action="store_true", help="use the running agent; never start one")
+    p.add_argument("--out")
+    p.add_argument("--dump", help="at the end, torch.save this rank's parameters and optimizer state here")
+    a = p.parse_args()
+    if a.fsdp:
+        torch.distributed.init_process_group("gloo")
+    rank = torch.distributed.get_rank() if a.fsdp else 0
+    out = open(f"{a.out}.{rank}" if a.out else os.devnull, "a")
+
+    def emit(**kw) -> None:
+        out.write(json.dumps(kw) + "\n")
+        out.flush()
+
+    model, optim = build(a.fsdp, a.width)
+    state = {"model": model, "optim": optim, "progress": {"step": -1}}
+    with ckpt.Checkpointer(a.job, shm=a.shm, disk=a.disk, s3=a.s3, s3_endpoint=a.s3_endpoint, every=a.every,
+                           disk_every=a.disk_every, s3_every=a.s3_every, spawn=not a.no_spawn) as ck:
+        last = ck.restore(state)
+        if last is not None:
+            assert state["progress"]["step"] == last, (state["progress"], last)
+            emit(restored=last, tiers=ck.last_restore.tiers)
+        for step in range(0 if last is None else last + 1, a.steps):
+            g = torch.Generator().manual_seed(step)
+            x = torch.randn(16, 32, generator=g)
+            y = torch.randn(16, 8, generator=g)
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            loss.backward()
+            optim.step()
+            optim.zero_grad(set_to_none=True)
+            emit(step=step, loss=float(loss.item()).hex())
+            state["progress"]["step"] = step
+            fut = ck.save(step, state)
+            if step == a.hang_after:
+                fut.wait_staged()
+                ck.wait()
+                print(f"STAGED {step}", flush=True)
+                while True:
+                    time.sleep(60)
+    if a.dump:
+        def local(t):
+            return t.to_local() if hasattr(t, "to_local") else t
+
+        params = {n: local(p.detach()).clone() for n, p in model.named_parameters()}
+        names = {id(p): n for n, p in model.named_parameters()}
+        opt = {f"{names[id(p)]}/{k}": local(v).clone() for p, st in optim.state.items() for k, v in st.items()
+               if isinstance(v, torch.Tensor)}
+        torch.save({"params": params, "optim": opt}, f"{a.dump}.{rank}")
+    if a.fsdp:
+        torch.distributed.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
