@@ -251,3 +251,46 @@ def calibrate(ts: TrainState, target_s: float, log: Callable[[str], None] = prin
     log(f"calibration: {t_small:.3f} s at 8 tokens, {t_big:.3f} s at 64 tokens; "
         f"batch {b}x{t} -> {got:.3f} s per step (target {target_s} s)")
     return got
+
+
+# ---------------------------------------------------------------------------- other load
+_HZ = os.sysconf("SC_CLK_TCK")
+
+
+def _proc_cpu(pid: int | str) -> float:
+    """CPU seconds of a process (all threads), plus its reaped children's for ``self``."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    ticks = int(fields[11]) + int(fields[12])
+    if pid == "self":
+        ticks += int(fields[13]) + int(fields[14])
+    return ticks / _HZ
+
+
+def _busy_cpu() -> float:
+    with open("/proc/stat") as f:
+        v = [int(x) for x in f.readline().split()[1:]]
+    idle = v[3] + (v[4] if len(v) > 4 else 0)
+    return (sum(v[:8]) - idle) / _HZ
+
+
+class OtherLoad:
+    """Cores that processes other than this one (and ``pids``) kept busy between ``start`` and ``stop``."""
+
+    def __init__(self) -> None:
+        self.pids: list[int] = []
+        self._t = self._busy = self._own = 0.0
+
+    def _own_cpu(self) -> float:
+        return _proc_cpu("self") + sum(_proc_cpu(p) for p in self.pids)
+
+    def start(self) -> None:
+        self._t, self._busy, self._own = time.perf_counter(), _busy_cpu(), self._own_cpu()
+
+    def stop(self) -> float:
+        dt = time.perf_counter() - self._t
+        other = (_busy_cpu() - self._busy) - (self._own_cpu() - self._own)
+        return max(other, 0.0) / dt if dt > 0 else 0.0

@@ -41,6 +41,7 @@ import tempfile
 import time
 import warnings
 from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 
 import torch
 import torch.distributed as dist
@@ -50,8 +51,8 @@ from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import (  # noqa: E402
-    GiB, TrainState, build_state, calibrate, fmt, folder_bytes, machine_info, markdown_table, median,
-    proc_mem, ratio, settle_memory,
+    GiB, OtherLoad, TrainState, build_state, calibrate, fmt, folder_bytes, machine_info, markdown_table,
+    median, proc_mem, ratio, settle_memory,
 )
 
 _T0 = time.perf_counter()
@@ -141,7 +142,7 @@ class TierHandle(Handle):
             return True
         try:
             self.fut.wait(timeout=0.001)
-        except TimeoutError:
+        except (TimeoutError, FutureTimeout):
             return False
         self._done = now()
         return True
@@ -447,34 +448,50 @@ def phase_interference(m: Method, ts: TrainState, runs: int, max_steps: int = 20
             "persisted_while_training": persisted_train}
 
 
-def run_method(cls, ts: TrainState, scratch: dict, runs: int) -> tuple[dict, Method]:
+def run_method(cls, ts: TrainState, scratch: dict, runs: int, bound: "WarmCopy | None") -> dict:
+    """Both phases for one method; ``bound`` (kept warm all along) gets ``runs`` more copies first."""
+    bound_extra = [phase_latency_bound(bound) for _ in range(runs)] if bound is not None else []
     m = cls(ts, scratch)
     settle_memory()
     mem0 = proc_mem()
+    load = OtherLoad()
+    load.start()
     m.setup()
-    res: dict = {"label": m.label, "note": m.note}
-    log(f"{m.label}: latency phase")
-    off0 = m.log_offset() if isinstance(m, Tierckpt) else 0
-    res.update(phase_latency(m, runs))
-    off1 = m.log_offset() if isinstance(m, Tierckpt) else 0
-    log(f"{m.label}: interference phase")
-    res.update(phase_interference(m, ts, runs))
-    settle_memory()
-    mem1 = proc_mem()
-    res["mem_before"], res["mem_between_saves"] = mem0, mem1
-    res["private_delta"] = mem1.get("RssAnon", 0) - mem0.get("RssAnon", 0)
-    res["shmem_delta"] = mem1.get("RssShmem", 0) - mem0.get("RssShmem", 0)
-    folder = m.shm_folder()
-    res["shm_files"] = folder_bytes(folder) if folder else 0
-    res.update(m.extra())
-    if isinstance(m, Tierckpt):
-        res["drain_idle"] = m.drain_lines(off0, off1)[m.warmup:]
-        res["drain_training"] = m.drain_lines(off1)[1:]
-    m.teardown()
+    if isinstance(m, Tierckpt) and m.agent_pid:
+        load.pids.append(m.agent_pid)
+    res: dict = {"label": m.label, "note": m.note, "bound_interleaved": bound_extra}
+    try:
+        log(f"{m.label}: latency phase")
+        off0 = m.log_offset() if isinstance(m, Tierckpt) else 0
+        res.update(phase_latency(m, runs))
+        off1 = m.log_offset() if isinstance(m, Tierckpt) else 0
+        log(f"{m.label}: interference phase")
+        res.update(phase_interference(m, ts, runs))
+        res["other_load_cores"] = load.stop()
+        settle_memory()
+        mem1 = proc_mem()
+        res["mem_before"], res["mem_between_saves"] = mem0, mem1
+        res["private_delta"] = mem1.get("RssAnon", 0) - mem0.get("RssAnon", 0)
+        res["shmem_delta"] = mem1.get("RssShmem", 0) - mem0.get("RssShmem", 0)
+        folder = m.shm_folder()
+        res["shm_files"] = folder_bytes(folder) if folder else 0
+        res.update(m.extra())
+        if isinstance(m, Tierckpt):
+            res["drain_idle"] = m.drain_lines(off0, off1)[m.warmup:]
+            res["drain_training"] = m.drain_lines(off1)[1:]
+    finally:
+        if m is not bound:
+            m.teardown()
     if isinstance(m, Tierckpt):
         res["agent_log_tail"] = m.agent_log.splitlines()[-5:]
     settle_memory()
-    return res, m
+    return res
+
+
+def phase_latency_bound(bound: "WarmCopy") -> float:
+    t0 = now()
+    bound.save()
+    return now() - t0
 
 
 def dd_copy(src: str, dst: str, direct: bool) -> tuple[float, str]:
@@ -568,11 +585,29 @@ def _run(a, classes, scratch) -> int:
         "batch": list(ts.batch), "plain_step_s": plain_step,
     })
     results: dict = {"machine": info, "args": vars(a), "methods": {}}
-    for cls in classes:
-        res, _m = run_method(cls, ts, scratch, a.runs)
-        results["methods"][cls.key] = res
-        log(f"{cls.label}: blocking {fmt(median(res['blocking']))} s, consistent "
-            f"{fmt(median(res['consistent']))} s, stall {fmt(median(res['stall']))} s")
+    # the warm-buffer copy is every ratio's reference: it stays set up, and a few more copies are
+    # taken before each other method, so one noisy minute cannot skew every ratio
+    bound = WarmCopy(ts, scratch)
+    bound.setup()
+    try:
+        for cls in classes:
+            if cls is WarmCopy:
+                res = run_method(cls, ts, scratch, a.runs, None)
+            else:
+                res = run_method(cls, ts, scratch, a.runs, bound)
+                results["methods"]["bound"]["blocking_interleaved"] += res["bound_interleaved"]
+            res.setdefault("blocking_interleaved", [])
+            results["methods"][cls.key] = res
+            log(f"{cls.label}: blocking {fmt(median(res['blocking']))} s, consistent "
+                f"{fmt(median(res['consistent']))} s, stall {fmt(median(res['stall']))} s, "
+                f"other processes {res['other_load_cores']:.2f} cores")
+    finally:
+        bound.teardown()
+    b = results["methods"]["bound"]
+    b["blocking_own_phase"] = list(b["blocking"])
+    b["blocking"] = b["consistent"] = b["blocking_own_phase"] + b["blocking_interleaved"]
+    plain = [x for r in results["methods"].values() for x in r["plain_steps"]]
+    info["plain_step_all_s"] = median(plain)
     if "tierckpt" in results["methods"]:
         log("drain: dd of the same bytes")
         results["drain"] = drain_table(nbytes, results["methods"]["tierckpt"], scratch, 3, ts)

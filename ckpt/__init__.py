@@ -8,6 +8,7 @@ where torch is not installed.
 from __future__ import annotations
 
 __all__ = ["Checkpointer", "SaveFuture", "RestoreReport", "CheckpointError", "StateMismatchError", "StateError",
+           "StepNotFoundError", "JobNotFoundError",
            "Settings", "__version__"]
 __version__ = "0.1.0"
 
@@ -19,6 +20,10 @@ def __getattr__(name: str):
         from . import checkpointer
 
         return getattr(checkpointer, name)
+    if name in ("StepNotFoundError", "JobNotFoundError"):
+        import recovery
+
+        return getattr(recovery, name)
     if name == "StateError":
         from ._flatten import StateError
 

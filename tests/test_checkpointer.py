@@ -1,0 +1,175 @@
+"""The Checkpointer in one process: round trips, what a state may hold, errors raised once."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+import torch
+
+import ckpt
+from agents.config import Settings
+from agents.daemon import Agent
+from tiers import TierFullError
+from tiers.disk import DiskTier
+
+
+class Counter:
+    """A DCP-style Stateful object."""
+
+    def __init__(self) -> None:
+        self.n = 0
+        self.hist = torch.zeros(4)
+
+    def state_dict(self) -> dict:
+        return {"n": self.n, "hist": self.hist}
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.n = sd["n"]
+        self.hist = sd["hist"]
+
+
+def _state(seed: int) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.BatchNorm1d(16), torch.nn.Linear(16, 2))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=g))
+    optim = torch.optim.Adam(model.parameters(), lr=0.01, betas=(0.8, 0.9))
+    model(torch.randn(4, 8, generator=g)).sum().backward()
+    optim.step()
+    c = Counter()
+    c.n = seed
+    c.hist = torch.randn(4, generator=g)
+    return {
+        "model": model, "optim": optim, "counter": c,
+        "tensors": {
+            "bf16": torch.randn(33, generator=g).to(torch.bfloat16),
+            "half": torch.randn(5, 7, generator=g).half(),
+            "int": torch.randint(-1000, 1000, (17,), generator=g),
+            "bool": torch.rand(9, generator=g) > 0.5,
+            "strided": torch.randn(6, 6, generator=g).t(),
+            "scalar": torch.tensor(seed * 1.5),
+            "empty": torch.empty(0, 3),
+        },
+        "loader": {"epoch": seed, "pos": [seed, seed + 1], "name": f"shard-{seed}", "done": False, "x": None},
+    }
+
+
+def _equal(a: dict, b: dict) -> None:
+    for (n1, t1), (n2, t2) in zip(a["model"].state_dict().items(), b["model"].state_dict().items()):
+        assert n1 == n2 and torch.equal(t1, t2), n1
+    sa, sb = a["optim"].state_dict(), b["optim"].state_dict()
+    assert sa["param_groups"] == sb["param_groups"]
+    for k in sa["state"]:
+        for kk, v in sa["state"][k].items():
+            assert torch.equal(v, sb["state"][k][kk]), (k, kk)
+    assert a["counter"].n == b["counter"].n and torch.equal(a["counter"].hist, b["counter"].hist)
+    for k, t in a["tensors"].items():
+        u = b["tensors"][k]
+        assert t.dtype == u.dtype and t.shape == u.shape and torch.equal(t, u), k
+    assert a["loader"] == b["loader"]
+
+
+def test_round_trip_is_bit_exact_for_every_kind_of_state(tmp_path):
+    saved = _state(1)
+    with ckpt.Checkpointer("rt", shm=str(tmp_path / "shm"), disk=str(tmp_path / "disk")) as ck:
+        assert ck.restore(_state(9)) is None
+        fut = ck.save(5, saved)
+        fut.wait()
+    target = _state(2)
+    with ckpt.Checkpointer("rt", shm=str(tmp_path / "shm"), disk=str(tmp_path / "disk")) as ck:
+        assert ck.restore(target) == 5
+        assert ck.last_restore.tiers == ["memory"]
+    _equal(saved, target)
+
+
+def test_every_selects_steps_and_save_overlaps_until_optimizer_step(tmp_path):
+    state = _state(3)
+    model, optim = state["model"], state["optim"]
+    with ckpt.Checkpointer("ev", shm=str(tmp_path / "shm"), every=3) as ck:
+        assert ck.save(1, state) is None and ck.save(2, state) is None
+        before = {k: v.clone() for k, v in model.state_dict().items()}
+        fut = ck.save(3, state)
+        assert fut is not None
+        # the optimizer step waits for the copy, so the checkpoint holds the pre-step parameters
+        model(torch.randn(4, 8)).sum().backward()
+        optim.step()
+        assert fut.staged()
+        fut.wait()
+        target = _state(4)
+        ck.restore(target)
+    for k, v in target["model"].state_dict().items():
+        assert torch.equal(v, before[k]), k
+
+
+def test_restore_into_mismatched_state_says_what_differs(tmp_path):
+    with ckpt.Checkpointer("mm", shm=str(tmp_path / "shm")) as ck:
+        ck.save(0, {"w": torch.zeros(4)})
+        ck.wait()
+        with pytest.raises(ckpt.StateMismatchError, match="w: the state has float32\\[5\\]"):
+            ck.restore({"w": torch.zeros(5)})
+        with pytest.raises(ckpt.StateMismatchError, match="has no other"):
+            ck.restore({"w": torch.zeros(4), "other": torch.zeros(1)})
+        with pytest.raises(ckpt.StepNotFoundError, match="step 7 of job 'mm' is not complete"):
+            ck.restore({"w": torch.zeros(4)}, step=7)
+
+
+def test_unsupported_values_are_refused_before_anything_is_written(tmp_path):
+    with ckpt.Checkpointer("bad", shm=str(tmp_path / "shm")) as ck:
+        with pytest.raises(ckpt.StateError, match="is a set"):
+            ck.save(0, {"x": {1, 2}})
+        with pytest.raises(ckpt.StateError, match="non-finite"):
+            ck.save(0, {"x": float("nan")})
+        model = torch.nn.Linear(2, 2)
+        with pytest.raises(ckpt.StateError, match="put the model in the state"):
+            ck.save(0, {"optim": torch.optim.SGD(model.parameters(), lr=1)})
+
+
+class FullDisk(DiskTier):
+    """A disk tier that is always full."""
+
+    def put(self, key, src):
+        raise TierFullError(28, f"no space left in disk tier at {self.root}: free space or lower retention (keep)")
+
+
+def test_background_failure_is_raised_once_at_next_save_and_memory_keeps_working(tmp_path):
+    settings = Settings.load({"shm": str(tmp_path / "shm"), "disk": str(tmp_path / "disk")}, env={})
+    agent = Agent(settings)
+    agent.disk = FullDisk(settings.disk)
+    agent.lower = [agent.disk]
+    loop = asyncio.new_event_loop()
+    ready = threading.Event()
+
+    async def main():
+        await agent.start()
+        ready.set()
+        await agent._stop.wait()
+        await agent.stop()
+
+    t = threading.Thread(target=loop.run_until_complete, args=(main(),), daemon=True)
+    t.start()
+    assert ready.wait(30)
+    try:
+        ck = ckpt.Checkpointer("full", shm=settings.shm, spawn=False)
+        state = {"w": torch.arange(10.0)}
+        ck.save(0, state).wait_staged()
+        with pytest.raises(ckpt.CheckpointError, match="no space left in disk tier"):
+            ck.wait()
+        ck.wait()  # raised once, not again
+        state["w"] += 1
+        ck.save(1, state)
+        with pytest.raises(ckpt.CheckpointError, match="step 1 could not be written to the disk tier"):
+            ck.close()
+        target = {"w": torch.zeros(10)}
+        ck2 = ckpt.Checkpointer("full", shm=settings.shm, spawn=False)
+        assert ck2.restore(target) == 1 and ck2.last_restore.tiers == ["memory"]
+        assert torch.equal(target["w"], torch.arange(10.0) + 1)
+        try:
+            ck2.close()
+        except ckpt.CheckpointError:
+            pass
+    finally:
+        loop.call_soon_threadsafe(agent._stop.set)
+        t.join(30)
