@@ -236,7 +236,7 @@ def calibrate(ts: TrainState, target_s: float, log: Callable[[str], None] = prin
     def measure(b: int, t: int) -> float:
         ts.set_batch(b, t)
         ts.step()
-        return median(ts.step() for _ in range(3))
+        return median(ts.step() for _ in range(5))
 
     ctx = ts.model.ctx
     small, big = 8, 64

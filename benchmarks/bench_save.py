@@ -613,31 +613,34 @@ def _run(a, classes, scratch) -> int:
         results["drain"] = drain_table(nbytes, results["methods"]["tierckpt"], scratch, 3, ts)
     results["total_s"] = now() - _T0
 
-    print(render(results))
     if a.out:
         with open(a.out, "w") as f:
             json.dump(results, f, indent=2)
+    print(render(results))
     return 0
 
 
 def render(results: dict) -> str:
     info = results["machine"]
     ms = results["methods"]
+    bound = ms["bound"]
     lines = [
         f"machine: {info['cores']} cores (torch threads {info['torch_threads']}), {info['cpu']}, "
         f"{info['ram_gib']} GiB RAM, /dev/shm {info['dev_shm_gib']} GiB, kernel {info['kernel']}",
         f"torch {info['torch']}, python {info['python']}",
         f"state: {info['state_gib']:.3f} GiB in {info['tensors']} tensors (parameters {info['param_gib']:.3f} GiB, "
         f"{info['params'] / 1e6:.1f} M; d_model {info['d_model']}, {info['layers']} blocks, vocab {info['vocab']}); "
-        f"training step: batch {info['batch'][0]}x{info['batch'][1]} tokens, {info['plain_step_s']:.3f} s",
+        f"training step: batch {info['batch'][0]}x{info['batch'][1]} tokens, plain step median "
+        f"{info['plain_step_all_s']:.3f} s over the run ({info['plain_step_s']:.3f} s at calibration)",
         f"medians of {results['args']['runs']} saves per method and phase, after warm-up; x bound = ratio to the "
-        f"first row; persisted = durable on /tmp disk (fsync)",
+        f"first row (its {len(bound['blocking'])} copies are spread over the whole run); persisted = durable on "
+        f"/tmp disk (fsync); other procs' CPU = cores busy outside this benchmark while a method ran",
         "",
     ]
-    bound = ms["bound"]
     b_block, b_con = median(bound["blocking"]), median(bound["consistent"])
     headers = ["method", "blocking s", "x bound", "consistent s", "x bound", "persisted s", "step x plain",
-               "stall s", "trainer private Δ GiB", "trainer shm-mapped Δ GiB", "/dev/shm held GiB"]
+               "stall s", "trainer private Δ GiB", "trainer shm-mapped Δ GiB", "/dev/shm held GiB",
+               "other procs' CPU (cores)"]
     rows = []
     for key, r in ms.items():
         blk, con = median(r["blocking"]), median(r["consistent"])
@@ -645,6 +648,7 @@ def render(results: dict) -> str:
             r["label"], fmt(blk), fmt(ratio(blk, b_block), 2), fmt(con), fmt(ratio(con, b_con), 2),
             fmt(median(r["persisted"])), fmt(r["slowdown"], 2), fmt(median(r["stall"])),
             fmt(r["private_delta"] / GiB, 2), fmt(r["shmem_delta"] / GiB, 2), fmt(r["shm_files"] / GiB, 2),
+            fmt(r.get("other_load_cores"), 2),
         ])
     lines.append(markdown_table(headers, rows))
     lines.append("")

@@ -345,6 +345,12 @@ def cmd_restore(a: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_demo(a: argparse.Namespace) -> int:
+    from ._demo import run
+
+    return run(a)
+
+
 # ---------------------------------------------------------------------- main
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="ckpt", description="tiered checkpoints for PyTorch training")
@@ -382,6 +388,12 @@ def build_parser() -> argparse.ArgumentParser:
     rs.add_argument("--progress", action="store_true", help="show the progress bar even when not on a terminal")
     _tier_flags(rs)
     rs.set_defaults(fn=cmd_restore)
+
+    dm = sub.add_parser("demo", help="train a small model with tiered checkpoints, kill -9 it, restore, report")
+    from ._demo import add_run_args
+
+    add_run_args(dm)
+    dm.set_defaults(fn=cmd_demo)
     return p
 
 
