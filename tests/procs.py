@@ -36,11 +36,13 @@ def ckpt_cmd(*args: str, check: bool = False, timeout: float = 120) -> subproces
     return p
 
 
-def start_agent(shm: str, *args: str, log: str | None = None) -> subprocess.Popen:
-    """Start ``ckpt agent --shm SHM ARGS`` and wait until it answers."""
-    logf = open(log or os.path.join(os.path.dirname(shm), f"agent-{time.monotonic_ns()}.log"), "ab")
+def start_agent(shm: str, *args: str, log: str | None = None, extra_env: dict | None = None) -> subprocess.Popen:
+    """Start ``ckpt agent --shm SHM ARGS`` and wait until it answers; its output goes to ``proc.log_path``."""
+    log = log or os.path.join(os.path.dirname(shm), f"agent-{time.monotonic_ns()}.log")
+    logf = open(log, "ab")
     proc = subprocess.Popen([sys.executable, "-m", "ckpt.cli", "agent", "--shm", shm, *args],
-                            stdout=logf, stderr=subprocess.STDOUT, env=env())
+                            stdout=logf, stderr=subprocess.STDOUT, env=env(**(extra_env or {})))
+    proc.log_path = log
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
         c = AgentClient.try_connect(socket_path_for(shm), timeout=2)

@@ -33,20 +33,23 @@ def _stage_raw(shm: str, job: str, step: int, nbytes: int) -> None:
                save_index=step)
 
 
+def _wait_for_temp_file(folder: str) -> None:
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:
+            if any(n.startswith(".tmp-") for n in os.listdir(folder)):
+                return
+        except FileNotFoundError:
+            pass
+    raise AssertionError("the disk write finished before it could be interrupted")
+
+
 def test_agent_killed_mid_write_never_leaves_step_reported_complete(tmp_path):
     shm, disk = str(tmp_path / "shm"), str(tmp_path / "disk")
     agent = start_agent(shm, "--disk", disk)
     try:
         _stage_raw(shm, "big", 7, 512 << 20)
-        step_dir = os.path.join(disk, "big", "step-7")
-        deadline = time.monotonic() + 60
-        caught = False
-        while time.monotonic() < deadline and not caught:
-            try:
-                caught = any(n.startswith(".tmp-") for n in os.listdir(step_dir))
-            except FileNotFoundError:
-                pass
-        assert caught, "the disk write finished before it could be interrupted"
+        _wait_for_temp_file(os.path.join(disk, "big", "step-7"))
         kill9(agent)
     finally:
         if agent.poll() is None:
@@ -69,6 +72,25 @@ def test_agent_killed_mid_write_never_leaves_step_reported_complete(tmp_path):
     finally:
         agent.terminate()
         agent.wait(60)
+
+
+@pytest.mark.parametrize("grace", ["0", "60"])
+def test_sigterm_finishes_or_cleanly_abandons_in_flight_writes_and_says_which(tmp_path, grace):
+    shm, disk = str(tmp_path / "shm"), str(tmp_path / "disk")
+    agent = start_agent(shm, "--disk", disk, extra_env={"CKPT_GRACE": grace})
+    _stage_raw(shm, "term", 3, 512 << 20)
+    _wait_for_temp_file(os.path.join(disk, "term", "step-3"))
+    agent.terminate()
+    assert agent.wait(120) == 0
+    log = open(agent.log_path).read()
+    done = scan_tier(DiskTier(disk), "term").complete_steps("term")
+    if grace == "0":
+        assert "writes abandoned" in log and '"term/step-3": ["disk"]' in log
+        assert done == []
+    else:
+        assert "every write finished" in log
+        assert done == [3]
+        assert not [n for n in os.listdir(os.path.join(disk, "term", "step-3")) if n.startswith(".tmp-")]
 
 
 def _model_state():
