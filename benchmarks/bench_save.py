@@ -18,13 +18,21 @@ A. latency, no training: the time ``save`` blocks, the time until the
 B. interference: save, then train at once. "stall" is (save + the next step)
    minus a plain step: what the loop really pays. "step x plain" is the median
    step time while the method's background work runs (for blocking methods the
-   step right after), over the median plain step measured just before.
+   step right after), over the median of the plain steps taken just before
+   and between its saves.
 
 Memory is read between saves, after the last one persisted: the trainer's
 private anonymous RSS (RssAnon) and its mapped shared memory (RssShmem) against
 the reading before the method started, and the bytes the method keeps in
 /dev/shm files. Ratios are against the first row, a plain copy into a warm
-buffer, which is the least any method can block for.
+buffer, which is the least any method can block for; its buffer stays set up
+and a few more copies are taken before every other method.
+
+On a shared machine other processes add noise: the cores they kept busy while
+a method ran are reported, and a method that ran beside more than
+``--max-other-load`` busy cores is measured again (``--retries``), keeping the
+quieter attempt. With tierckpt, a second table compares the agent's drain to
+disk with ``dd`` of the same bytes.
 """
 
 from __future__ import annotations
@@ -548,6 +556,11 @@ def main(argv: list[str] | None = None) -> int:
                    help="comma-separated subset of: " + ", ".join(c.key for c in METHODS)
                    + " (bound always runs: it is the reference for the ratios)")
     p.add_argument("--step-s", type=float, default=0.5, help="target duration of one training step (s)")
+    p.add_argument("--max-other-load", type=float, default=0.3,
+                   help="a method measured while other processes kept more cores than this busy is measured again")
+    p.add_argument("--retries", type=int, default=1, help="at most this many repeats per method (see above)")
+    p.add_argument("--retry-until", type=float, default=420.0,
+                   help="no repeats once the benchmark has run this many seconds")
     a = p.parse_args(argv)
     chosen = {k.strip() for k in a.methods.split(",") if k.strip()}
     unknown = chosen - {c.key for c in METHODS}
@@ -591,11 +604,19 @@ def _run(a, classes, scratch) -> int:
     bound.setup()
     try:
         for cls in classes:
-            if cls is WarmCopy:
-                res = run_method(cls, ts, scratch, a.runs, None)
-            else:
-                res = run_method(cls, ts, scratch, a.runs, bound)
-                results["methods"]["bound"]["blocking_interleaved"] += res["bound_interleaved"]
+            attempts = []
+            while True:
+                res = run_method(cls, ts, scratch, a.runs, None if cls is WarmCopy else bound)
+                attempts.append(res)
+                noisy = res["other_load_cores"] > a.max_other_load
+                if not noisy or len(attempts) > a.retries or now() - _T0 > a.retry_until:
+                    break
+                log(f"{cls.label}: other processes kept {res['other_load_cores']:.2f} cores busy: measuring again")
+            res = min(attempts, key=lambda r: r["other_load_cores"])
+            res["attempts_other_load"] = [r["other_load_cores"] for r in attempts]
+            if cls is not WarmCopy:
+                for r in attempts:
+                    results["methods"]["bound"]["blocking_interleaved"] += r["bound_interleaved"]
             res.setdefault("blocking_interleaved", [])
             results["methods"][cls.key] = res
             log(f"{cls.label}: blocking {fmt(median(res['blocking']))} s, consistent "
@@ -648,7 +669,8 @@ def render(results: dict) -> str:
             r["label"], fmt(blk), fmt(ratio(blk, b_block), 2), fmt(con), fmt(ratio(con, b_con), 2),
             fmt(median(r["persisted"])), fmt(r["slowdown"], 2), fmt(median(r["stall"])),
             fmt(r["private_delta"] / GiB, 2), fmt(r["shmem_delta"] / GiB, 2), fmt(r["shm_files"] / GiB, 2),
-            fmt(r.get("other_load_cores"), 2),
+            fmt(r.get("other_load_cores"), 2) + (f" ({len(r['attempts_other_load'])} tries)"
+                                                  if len(r.get("attempts_other_load", [])) > 1 else ""),
         ])
     lines.append(markdown_table(headers, rows))
     lines.append("")

@@ -26,6 +26,7 @@ import mmap
 import os
 import threading
 import time
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,7 +36,7 @@ import torch.distributed as dist
 from agents.config import Settings
 from agents.launch import connect_or_spawn
 from agents.protocol import AgentClient, AgentError, AgentUnreachableError
-from recovery import RestorePlan, ShardReport, fetch_shard, plan_restore, scan_tiers
+from recovery import RestorePlan, ShardReport, open_shard, plan_restore, scan_tiers
 from recovery.planner import StepNotFoundError
 from tiers import keys
 from tiers.base import Tier
@@ -462,8 +463,24 @@ class Checkpointer:
 
     def _load(self, plan: RestorePlan, state: dict) -> ShardReport:
         info = plan.manifest.shard(self.rank)
-        buf = torch.empty(max(info.size, 1), dtype=torch.uint8)
-        report = fetch_shard(plan, self.rank, _buffer_view(buf.data_ptr(), info.size), verify=self.verify)
+        keep: list[torch.Tensor] = []
+
+        def alloc(n: int) -> memoryview:
+            t = torch.empty(max(n, 1), dtype=torch.uint8)
+            keep.append(t)
+            return _buffer_view(t.data_ptr(), n)
+
+        shard = open_shard(plan, self.rank, alloc, verify=self.verify)
+        try:
+            return self._apply(plan, state, info, shard)
+        finally:
+            shard.close()
+
+    def _apply(self, plan: RestorePlan, state: dict, info: Any, shard: Any) -> ShardReport:
+        report = shard.report
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # a copy-on-write mapping is writable; torch cannot tell
+            buf = torch.frombuffer(shard.view, dtype=torch.uint8) if info.size else torch.empty(0, dtype=torch.uint8)
         by_name = {e.name: e for e in info.entries}
         flat = flatten_state(state, for_restore=True)
         missing = [leaf.name for leaf in flat.leaves if leaf.name not in by_name]
@@ -476,6 +493,7 @@ class Checkpointer:
                 self._fill(leaf, by_name[leaf.name], buf)
         for apply in flat.appliers:
             apply()
+        del buf
         return report
 
     @staticmethod

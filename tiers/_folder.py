@@ -125,6 +125,11 @@ class FolderTier(TierBase):
     def read_into(self, key: str, buf: memoryview, offset: int = 0) -> int:
         return self._read_path(key, self._file(key), buf, offset)
 
+    def local_file(self, key: str) -> str | None:
+        """The plain local file that holds ``key`` byte for byte, for zero-copy reads (mmap); None if absent."""
+        path = self._file(key)
+        return path if os.path.isfile(path) else None
+
     def get(self, key: str, offset: int = 0, length: int | None = None) -> bytes:
         if length is not None:
             return super().get(key, offset, length)

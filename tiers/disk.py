@@ -95,6 +95,10 @@ class DiskTier(FolderTier):
         except RuntimeError as e:  # lz4 reports a damaged frame this way
             raise TierError(errno.EIO, f"{key}: damaged LZ4 frame in {path} ({e})") from e
 
+    def local_file(self, key: str) -> str | None:
+        path, compressed = self._existing(key)
+        return None if compressed or not os.path.isfile(path) else path
+
     def get(self, key: str, offset: int = 0, length: int | None = None) -> bytes:
         path, compressed = self._existing(key)
         if not compressed or length is not None:
