@@ -40,22 +40,22 @@ import itertools
 import math
 import random
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence, Union
 
 __all__ = [
     "PLACEMENTS",
     "Node",
     "PeerListError",
     "SurvivalResult",
+    "holders",
+    "losing_failure",
     "parse_peers",
     "placement_order",
     "replica_targets",
-    "holders",
+    "survival_probability",
     "survives",
     "survives_all",
-    "losing_failure",
-    "survival_probability",
 ]
 
 #: the placement names :func:`replica_targets` accepts
@@ -204,7 +204,7 @@ def parse_peers(text: str) -> list[Node]:
 
 # -- placement -----------------------------------------------------------------------------
 
-NodesOrCount = Union[int, Sequence[Node]]
+NodesOrCount = int | Sequence[Node]
 
 
 def _as_nodes(n: NodesOrCount) -> list[Node]:
@@ -264,6 +264,7 @@ def _layout(nodes: NodesOrCount, replicas: int, placement: str) -> tuple[dict[in
     ranked = {x.rank: x for x in _as_nodes(nodes)}
     order = placement_order(list(ranked.values()))
     n = len(order)
+    domains = {_domain(x) for x in ranked.values()}
     moved = False
     out: dict[int, list[int]] = {}
     for pos, me in enumerate(order):
@@ -280,9 +281,9 @@ def _layout(nodes: NodesOrCount, replicas: int, placement: str) -> tuple[dict[in
             if slot is not None:
                 continue
             chosen = {me, *(s for s in slots if s is not None)}
-            nearest = next((order[(pos + d) % n] for d in range(1, n)
-                            if order[(pos + d) % n] not in chosen
-                            and _domain(ranked[order[(pos + d) % n]]) not in used), None)
+            nearest = None if domains <= used else next(
+                (order[(pos + d) % n] for d in range(1, n)
+                 if order[(pos + d) % n] not in chosen and _domain(ranked[order[(pos + d) % n]]) not in used), None)
             if nearest is None:
                 # every domain already holds a copy: keep the base target so k copies still exist
                 slots[i] = base[i]

@@ -389,6 +389,10 @@ def build_parser() -> argparse.ArgumentParser:
     _tier_flags(rs)
     rs.set_defaults(fn=cmd_restore)
 
+    from ._placement_cli import add_parser as add_placement
+
+    add_placement(sub)
+
     dm = sub.add_parser("demo", help="train a small model with tiered checkpoints, kill -9 it, restore, report")
     from ._demo import add_run_args
 

@@ -11,8 +11,9 @@ import sys
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from procs import env
 
-import agents.placement as placement
+from agents import placement
 from agents.placement import (
     Node,
     PeerListError,
@@ -26,7 +27,6 @@ from agents.placement import (
     survives_all,
 )
 from ckpt._placement_cli import add_parser
-from procs import env
 
 
 def _targets(n, k, how="group"):
@@ -193,9 +193,9 @@ def test_survives_all_equals_enumeration_with_survives(data, n, k, how):
 
 
 @settings(max_examples=100, deadline=None)
-@given(data=st.data(), groups=st.integers(1, 4), k=st.integers(1, 4))
-def test_gemini_closed_form_matches_enumeration_for_group_placement(data, groups, k):
-    n = groups * k
+@given(data=st.data(), k=st.integers(1, 4))
+def test_gemini_closed_form_matches_enumeration_for_group_placement(data, k):
+    n = k * data.draw(st.integers(1, 12 // k))
     f = data.draw(st.integers(0, n))
     alive = _brute_alive(n, k, "group", f)
     assert placement._gemini_closed_form(n, k, f) == alive
@@ -384,5 +384,5 @@ def test_cli_rejects_an_unknown_placement_as_a_usage_error():
 def test_placement_command_and_module_never_import_torch():
     code = ("import sys, agents.placement, ckpt._placement_cli; "
             "assert 'torch' not in sys.modules, 'torch was imported'")
-    p = subprocess.run([sys.executable, "-c", code], env=env(), capture_output=True, text=True)
+    p = subprocess.run([sys.executable, "-c", code], env=env(), capture_output=True, text=True, check=False)
     assert p.returncode == 0, p.stderr
