@@ -64,8 +64,28 @@ class Settings:
     socket: str | None = None
     #: seconds SIGTERM waits for in-flight writes before abandoning them
     grace: float = 30.0
-    #: this node's rank among the job's agents
+    #: this node's rank among the job's agents (its line in the peers list, from 0)
     node_rank: int = 0
+    #: the job's agents: a file with one ``host:port [domain=LABEL]`` per line in node-rank
+    #: order, or the same entries comma-separated inline; None = this node alone
+    peers: str | None = None
+    #: file holding the per-job secret that signs every peer request (required off loopback)
+    secret_file: str | None = None
+    #: copies of every shard in host memory, the node's own included
+    replicas: int = 2
+    #: "group" (GEMINI) or "ring"
+    placement: str = "group"
+    #: cap on this node's replication traffic, bytes/s; 0 = no cap
+    peer_bandwidth: int = 0
+    #: seconds between heartbeats; a peer silent for ``dead_after`` seconds is declared dead
+    heartbeat: float = 1.0
+    dead_after: float = 5.0
+    #: seconds a peer request may take before the peer counts as unreachable
+    peer_timeout: float = 10.0
+    #: optional TLS for the peer protocol: this node's certificate and key, and the CA that signed every node's
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    tls_ca: str | None = None
 
     def validate(self) -> "Settings":
         for name in ("disk_every", "s3_every", "keep_memory", "keep_disk", "keep_s3"):
@@ -76,6 +96,12 @@ class Settings:
             raise SettingsError(f"full_policy must be 'wait' or 'skip', got {self.full_policy!r}")
         if self.s3 is not None and not self.s3.startswith("s3://"):
             raise SettingsError(f"s3 must look like s3://bucket/prefix, got {self.s3!r}")
+        if self.replicas < 1:
+            raise SettingsError(f"replicas must be >= 1, got {self.replicas}")
+        if self.placement not in ("group", "ring"):
+            raise SettingsError(f"placement must be 'group' or 'ring', got {self.placement!r}")
+        if self.heartbeat <= 0 or self.dead_after <= self.heartbeat:
+            raise SettingsError("heartbeat must be > 0 and dead_after larger than heartbeat")
         if self.max_inflight_bytes < 1:
             raise SettingsError("max_inflight_bytes must be >= 1")
         return self

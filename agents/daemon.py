@@ -41,6 +41,7 @@ from tiers.memory import MemoryTier
 
 from .config import Settings
 from .protocol import MAX_LINE, PROTOCOL_VERSION
+from .replication import Membership, load_peer_list, post_json
 
 __all__ = ["Agent", "AgentAlreadyRunningError", "run_agent"]
 
@@ -64,7 +65,8 @@ class _Pending:
     metadata: dict
     sizes: dict[int, int] = field(default_factory=dict)
     entries: dict[int, list] = field(default_factory=dict)
-    checksums: dict[int, asyncio.Task] = field(default_factory=dict)
+    checksums: dict[int, asyncio.Future] = field(default_factory=dict)
+    nodes: dict[int, int] = field(default_factory=dict)
     created: float = field(default_factory=time.time)
 
 
@@ -126,7 +128,45 @@ class Agent:
         self._stop: asyncio.Event | None = None
         self._lock_fd: int | None = None
         self._server: asyncio.AbstractServer | None = None
-        self.stats = {"saves": 0, "bytes_in": 0, "drained": {t.name: 0 for t in self.lower}}
+        self.stats = {"saves": 0, "bytes_in": 0, "drained": {t.name: 0 for t in self.lower}, "replicated_bytes": 0}
+        self.me = settings.node_rank
+        self.members: Membership | None = None
+        self.peer_tiers: dict[int, Tier] = {}
+        self.peer_server = None
+        self._secret: bytes | None = None
+        self._client_ssl = None
+        self._tasks: list[asyncio.Task] = []
+        self._heal_now: asyncio.Event | None = None
+        if settings.peers:
+            self._setup_peers()
+
+    def _setup_peers(self) -> None:
+        from tiers.peer import PeerTier
+        from tiers.wire import TokenBucket, load_secret
+
+        from .peer_server import PeerServer
+
+        s = self.settings
+        nodes = load_peer_list(s.peers)
+        self.members = Membership(nodes, s.node_rank, s.replicas, s.placement, s.dead_after)
+        self._secret = load_secret(s.secret_file) if s.secret_file else None
+        server_ssl = None
+        if s.tls_cert:
+            import ssl
+
+            server_ssl = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+            server_ssl.load_cert_chain(s.tls_cert, s.tls_key)
+            self._client_ssl = ssl.create_default_context(cafile=s.tls_ca)
+        bucket = TokenBucket(s.peer_bandwidth) if s.peer_bandwidth else None
+        for n in nodes:
+            if n.rank != self.me:
+                self.peer_tiers[n.rank] = PeerTier(n.addr, secret=self._secret, node=self.me, timeout=s.peer_timeout,
+                                                   ssl_context=self._client_ssl, bucket=bucket)
+        mine = nodes[self.me]
+        self.peer_server = PeerServer(
+            self.memory, host=mine.host, port=mine.port, secret=self._secret, node=self.me, ssl_context=server_ssl,
+            extra_routes=[("POST", "/v1/commit", self._http_commit)], metrics_cb=self._metrics,
+        )
 
     # ------------------------------------------------------------------ lifecycle
     def _take_lock(self) -> None:
@@ -154,6 +194,11 @@ class Agent:
             self._workers.append(asyncio.create_task(self._drain_worker(t), name=f"drain-{t.name}"))
         await asyncio.to_thread(self._sweep_temp_files)
         await self._rebuild()
+        if self.peer_server is not None:
+            await self.peer_server.start()
+            self._heal_now = asyncio.Event()
+            self._tasks.append(asyncio.create_task(self._heartbeat_loop(), name="heartbeat"))
+            self._tasks.append(asyncio.create_task(self._heal_loop(), name="heal"))
         path = self.settings.socket_path
         if not path.startswith("\0"):
             with contextlib.suppress(FileNotFoundError):
@@ -189,8 +234,11 @@ class Agent:
                 break
             await asyncio.sleep(0.05)
         abandoned = {f"{j}/step-{s}": sorted(t) for (j, s), t in self._draining.items() if t}
-        for w in self._workers:
+        for w in self._workers + self._tasks:
             w.cancel()
+        if self.peer_server is not None:
+            with contextlib.suppress(Exception):
+                await self.peer_server.stop()
         if abandoned:
             log.warning("agent stopping with writes abandoned (left incomplete, never reported complete): %s",
                         json.dumps(abandoned))
@@ -233,10 +281,13 @@ class Agent:
         lower = {t.name: await asyncio.to_thread(scan_tier, t) for t in self.lower}
         for job, steps in inv.steps.items():
             for step, st in sorted(steps.items()):
-                if not st.complete:
+                if st.manifest is None:
                     log.info("dropping %s step %d from memory: it was never completed (%s)",
                              job, step, st.problem or "no manifest")
                     await asyncio.to_thread(self._delete_step, self.memory, job, step)
+                    continue
+                mine = [sh for sh in st.manifest.shards if sh.node == self.me]
+                if any(st.shards.get(sh.rank) != sh.size for sh in mine):
                     continue
                 save_index = int(st.manifest.metadata.get("save_index", step))
                 for t in self._targets(save_index):
@@ -388,11 +439,196 @@ class Agent:
         self._leases.discard(slot)
         pend.sizes[rank] = nbytes
         pend.entries[rank] = entries
-        pend.checksums[rank] = asyncio.create_task(asyncio.to_thread(checksum_file, slot, nbytes))
+        pend.nodes[rank] = self.me
+        pend.checksums[rank] = asyncio.ensure_future(asyncio.to_thread(checksum_file, slot, nbytes))
         self.stats["bytes_in"] += nbytes
+        if self.members is not None:
+            asyncio.create_task(self._share(job, step, rank, world, nbytes, entries, pend))
         if len(pend.sizes) == world:
             asyncio.create_task(self._finish_step(job, step, pend))
         return {"errors": self._take_errors(job)}
+
+    # ------------------------------------------------------------------ peers
+    async def _share(self, job: str, step: int, rank: int, world: int, nbytes: int, entries: list,
+                     pend: _Pending) -> None:
+        """Tell every live peer about a local shard (for its manifest), and copy it to its placement targets."""
+        try:
+            checksum = await pend.checksums[rank]
+        except Exception:
+            return
+        record = {"job": job, "step": step, "rank": rank, "world": world, "nbytes": nbytes, "entries": entries,
+                  "checksum": checksum, "save_index": pend.save_index, "metadata": pend.metadata, "node": self.me}
+        alive = self.members.alive() - {self.me}
+        targets = self.members.targets(self.me)
+        key = keys.shard_key(job, step, rank)
+        path = self.memory.path(key)
+
+        async def tell(r: int) -> None:
+            try:
+                await asyncio.to_thread(post_json, self.members.nodes[r].addr, "/v1/commit", record,
+                                        secret=self._secret, node=self.me, timeout=self.settings.peer_timeout,
+                                        ssl_context=self._client_ssl)
+            except ConnectionError as e:
+                self._peer_error(r, e)
+
+        async def copy(r: int) -> None:
+            await self._push(r, key, path, nbytes)
+
+        await asyncio.gather(*(tell(r) for r in sorted(alive)), *(copy(r) for r in targets))
+
+    async def _push(self, r: int, key: str, src: str | bytes, nbytes: int) -> bool:
+        st = self.members.peers[r]
+        st.debt_bytes += nbytes
+        t0 = time.perf_counter()
+        try:
+            await asyncio.to_thread(self.peer_tiers[r].put, key, src)
+            st.sent_bytes += nbytes
+            self.stats["replicated_bytes"] += nbytes
+            log.debug("%s copied to node %d: %d bytes in %.3f s", key, r, nbytes, time.perf_counter() - t0)
+            return True
+        except (TierError, OSError) as e:
+            self._peer_error(r, e)
+            return False
+        finally:
+            st.debt_bytes -= nbytes
+
+    def _peer_error(self, r: int, e: BaseException) -> None:
+        st = self.members.peers[r]
+        st.errors += 1
+        st.last_error = str(e)
+        log.warning("node %d (%s): %s", r, st.node.addr, e)
+
+    async def _http_commit(self, request):
+        """A peer's record of a shard it took from its trainer: counts toward this node's manifest."""
+        from aiohttp import web
+
+        try:
+            rec = await request.json()
+            job = keys.check_job(rec["job"])
+            step = keys.check_step(rec["step"])
+            rank = keys.check_rank(rec["rank"])
+            world, nbytes, node = int(rec["world"]), int(rec["nbytes"]), int(rec["node"])
+            if not 0 <= rank < world or nbytes < 0 or not isinstance(rec["checksum"], str):
+                raise RequestError("rank, world, nbytes or checksum out of range")
+            validate_layout(rec["entries"], nbytes, f"rank {rank} layout")
+            if not isinstance(rec.get("metadata", {}), dict):
+                raise RequestError("metadata must be a JSON object")
+        except (ValueError, KeyError, TypeError) as e:
+            return web.Response(status=400, text=f"bad commit record: {e}\n")
+        key = (job, step)
+        if key in self._settled and self._settled[key].is_set() and key not in self._pending:
+            return web.json_response({"known": True})
+        pend = self._pending.get(key)
+        if pend is None:
+            pend = self._pending[key] = _Pending(world, int(rec.get("save_index", step)), rec.get("metadata") or {})
+            self._settled.setdefault(key, asyncio.Event())
+        if pend.world != world:
+            return web.Response(status=409, text=f"world {world} differs from {pend.world}\n")
+        if rank not in pend.sizes:
+            pend.sizes[rank] = nbytes
+            pend.entries[rank] = rec["entries"]
+            pend.nodes[rank] = node
+            fut = asyncio.get_running_loop().create_future()
+            fut.set_result(rec["checksum"])
+            pend.checksums[rank] = fut
+            if len(pend.sizes) == world:
+                asyncio.create_task(self._finish_step(job, step, pend))
+        return web.json_response({"ok": True})
+
+    def _metrics(self) -> dict[str, float]:
+        out = {"tierckpt_saves_total": self.stats["saves"], "tierckpt_bytes_in_total": self.stats["bytes_in"],
+               "tierckpt_replicated_bytes_total": self.stats["replicated_bytes"],
+               "tierckpt_inflight_bytes": self._budget.used if self._budget else 0}
+        if self.members is not None:
+            out["tierckpt_peers_alive"] = len(self.members.alive()) - 1
+        return out
+
+    async def _heartbeat_loop(self) -> None:
+        while True:
+            async def beat(r: int) -> None:
+                try:
+                    h = await asyncio.to_thread(self.peer_tiers[r].health)
+                    if self.members.seen(r, int(h.get("bytes_held", 0))):
+                        log.info("node %d is back", r)
+                        self._heal_now.set()
+                except (TierError, OSError, ValueError) as e:
+                    self.members.peers[r].last_error = str(e)
+
+            await asyncio.gather(*(beat(r) for r in self.members.peers))
+            for r in self.members.sweep():
+                log.warning("node %d (%s) declared dead: silent for %.1f s", r, self.members.nodes[r].addr,
+                            self.settings.dead_after)
+                self._heal_now.set()
+            await asyncio.sleep(self.settings.heartbeat)
+
+    async def _heal_loop(self) -> None:
+        """Keep ``replicas`` copies of every retained step's shards on live nodes (re-replicate, refill)."""
+        while True:
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._heal_now.wait(), timeout=max(2.0, 2 * self.settings.heartbeat))
+            self._heal_now.clear()
+            try:
+                await self._heal_once()
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("re-replication round failed; trying again")
+
+    async def _heal_once(self) -> int:
+        """One round: push every missing copy this node is responsible for; return the copies made."""
+        alive = self.members.alive()
+        inv = await asyncio.to_thread(scan_tier, self.memory, None, with_sizes=True)
+        held: dict[int, set[str]] = {self.me: set()}
+        for job, steps in inv.steps.items():
+            for step, st in steps.items():
+                held[self.me] |= {keys.shard_key(job, step, r) for r in st.shards}
+                if st.has_manifest:
+                    held[self.me].add(keys.manifest_key(job, step))
+
+        async def listing(r: int) -> None:
+            try:
+                held[r] = set(await asyncio.to_thread(self.peer_tiers[r].list, ""))
+            except (TierError, OSError) as e:
+                self._peer_error(r, e)
+
+        await asyncio.gather(*(listing(r) for r in sorted(alive - {self.me})))
+        made = 0
+        for job, steps in inv.steps.items():
+            for step, st in sorted(steps.items()):
+                if st.manifest is None or (job, step) in self._pending:
+                    continue
+                mkey = keys.manifest_key(job, step)
+                for sh in st.manifest.shards:
+                    key = keys.shard_key(job, step, sh.rank)
+                    if st.shards.get(sh.rank) != sh.size:
+                        continue
+                    want = self.members.desired(sh.node, alive)
+                    have = [r for r in sorted(held) if key in held[r]]
+                    # the lowest live holder pushes, so exactly one node acts for each shard
+                    if not have or have[0] != self.me:
+                        continue
+                    for r in want:
+                        if r not in held or key in held[r]:
+                            continue
+                        if await self._push(r, key, self.memory.path(key), sh.size):
+                            made += 1
+                            held[r].add(key)
+                            if mkey not in held[r]:
+                                data = await asyncio.to_thread(self.memory.get, mkey)
+                                if await self._push(r, mkey, data, len(data)):
+                                    held[r].add(mkey)
+                # a live holder of shards without the manifest gets it from the lowest manifest holder
+                mholders = [r for r in sorted(held) if mkey in held[r]]
+                if mholders and mholders[0] == self.me:
+                    prefix = keys.step_prefix(job, step)
+                    for r in sorted(held):
+                        if mkey not in held[r] and any(k.startswith(prefix) for k in held[r]):
+                            data = await asyncio.to_thread(self.memory.get, mkey)
+                            if await self._push(r, mkey, data, len(data)):
+                                held[r].add(mkey)
+        if made:
+            log.info("re-replication: %d shard copies made", made)
+        return made
 
     async def _finish_step(self, job: str, step: int, pend: _Pending) -> None:
         key = (job, step)
@@ -400,7 +636,8 @@ class Agent:
             shards = []
             for r in range(pend.world):
                 shards.append(ShardInfo(r, pend.sizes[r], await pend.checksums[r],
-                                        tuple(validate_layout(pend.entries[r], pend.sizes[r]))))
+                                        tuple(validate_layout(pend.entries[r], pend.sizes[r])),
+                                        pend.nodes.get(r, self.me)))
             meta = dict(pend.metadata)
             meta["save_index"] = pend.save_index
             m = Manifest(job, step, pend.world, tuple(shards), meta, created=pend.created)
@@ -485,11 +722,23 @@ class Agent:
             finally:
                 await self._budget.release(n)
 
-        await asyncio.gather(*(one(s.rank, s.size) for s in m.shards))
+        mine = [s for s in m.shards if s.node == self.me]
+        if not mine:
+            return  # this node took no shard of the step from a trainer: nothing of it is this node's to write
+        await asyncio.gather(*(one(s.rank, s.size) for s in mine))
+        nbytes = sum(s.size for s in mine)
+        if tier is self.s3 and len(mine) < len(m.shards):
+            # a shared bucket: the manifest goes in once every node's shards are there; the last node to
+            # finish sees them all (S3 lists are strongly consistent) and commits the step
+            present = set(await asyncio.to_thread(tier.list, keys.step_prefix(job, step)))
+            if not all(keys.shard_key(job, step, s.rank) in present for s in m.shards):
+                log.info("%s step %d: this node's shards are in %s; the last node to finish commits it",
+                         job, step, tier.name)
+                return
         await asyncio.to_thread(tier.put, mkey, manifest_bytes)
         dt = time.perf_counter() - t0
         log.info("%s step %d written to %s: %d bytes in %.2f s (%.2f GB/s)", job, step, tier.name,
-                 m.total_bytes, dt, m.total_bytes / dt / 1e9 if dt else 0)
+                 nbytes, dt, nbytes / dt / 1e9 if dt else 0)
 
     # ------------------------------------------------------------------ retention
     def _delete_step(self, tier: Tier, job: str, step: int) -> None:
@@ -568,7 +817,19 @@ class Agent:
             "inflight_bytes": self._budget.used if self._budget else 0,
             "errors": {j: len(e) for j, e in self._errors.items()},
             "stats": self.stats, "settings": self.settings.to_dict(),
+            "node": self.me, "peers": self._peer_status(),
         }
+
+    def _peer_status(self) -> list[dict]:
+        if self.members is None:
+            return []
+        now = time.monotonic()
+        return [{"node": r, "addr": p.node.addr, "domain": p.node.domain, "alive": p.alive,
+                 "last_seen_s": None if p.last_seen is None else round(now - p.last_seen, 3),
+                 "bytes_held": p.bytes_held, "sent_bytes": p.sent_bytes, "debt_bytes": p.debt_bytes,
+                 "errors": p.errors, "last_error": p.last_error,
+                 "replicates_to": r in self.members.targets(self.me)}
+                for r, p in sorted(self.members.peers.items())]
 
     async def _op_delete(self, conn: _Conn, req: dict) -> dict:
         job = keys.check_job(req["job"])

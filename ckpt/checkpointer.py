@@ -35,6 +35,7 @@ import torch.distributed as dist
 
 from agents.config import Settings
 from agents.launch import connect_or_spawn
+from agents.replication import peer_tiers
 from agents.protocol import AgentClient, AgentError, AgentUnreachableError
 from recovery import RestorePlan, ShardReport, open_shard, plan_restore, scan_tiers
 from recovery.planner import StepNotFoundError
@@ -201,8 +202,9 @@ class Checkpointer:
 
     # ------------------------------------------------------------------ tiers
     def tiers(self) -> list[Tier]:
-        """The tiers to restore from, cheapest first: memory, disk, S3."""
+        """The tiers to restore from, cheapest first: memory, the other nodes' memory, disk, S3."""
         out: list[Tier] = [MemoryTier(self.settings.shm)]
+        out += peer_tiers(self.settings)
         if self.settings.disk:
             out.append(DiskTier(self.settings.disk, compress=self.settings.compress))
         if self.settings.s3:
@@ -414,7 +416,7 @@ class Checkpointer:
         """The newest step complete in any tier this rank can reach, or None."""
         from recovery.planner import complete_steps
 
-        steps = complete_steps(scan_tiers(self.tiers(), self.job), self.job)
+        steps = complete_steps(scan_tiers(self.tiers(), self.job), self.job, [self.rank])
         return steps[-1] if steps else None
 
     def restore(self, state: dict, step: int | None = None) -> int | None:
@@ -431,7 +433,7 @@ class Checkpointer:
         invs = scan_tiers(tiers, self.job)
         from recovery.planner import complete_steps
 
-        steps = complete_steps(invs, self.job)
+        steps = complete_steps(invs, self.job, [self.rank])
         if step is None:
             mine = steps[-1] if steps else -1
         else:
@@ -449,7 +451,7 @@ class Checkpointer:
                 raise StepNotFoundError(f"rank {self.rank} cannot reach step {agreed} that the other ranks agreed on")
         if agreed < 0:
             return None
-        plan = plan_restore(invs, self.job, agreed)
+        plan = plan_restore(invs, self.job, agreed, [self.rank])
         if plan.manifest.world != self.world:
             raise StateMismatchError(
                 f"step {agreed} of {self.job!r} was saved by {plan.manifest.world} ranks, this job has "

@@ -62,7 +62,7 @@ def _settings(a: argparse.Namespace, extra: dict | None = None) -> Settings:
         try:
             theirs = Settings.load(client.call("hello")["settings"], env={})
             env_given = {f for f in ("disk", "s3", "s3_endpoint") if os.environ.get(f"CKPT_{f.upper()}")}
-            for name in ("disk", "s3", "s3_endpoint", "compress"):
+            for name in ("disk", "s3", "s3_endpoint", "compress", "peers", "secret_file", "node_rank", "tls_ca"):
                 if args.get(name) is None and name not in env_given:
                     setattr(s, name, getattr(theirs, name))
         except (AgentError, AgentUnreachableError, KeyError):
@@ -74,6 +74,9 @@ def _settings(a: argparse.Namespace, extra: dict | None = None) -> Settings:
 
 def _tiers(s: Settings, *, s3_deadline: float = 20.0) -> list[Tier]:
     out: list[Tier] = [MemoryTier(s.shm)] if os.path.isdir(s.shm) else []
+    from agents.replication import peer_tiers
+
+    out += peer_tiers(s)
     if s.disk:
         if not os.path.isdir(s.disk):
             raise CliError(f"disk folder {s.disk} does not exist: check --disk / CKPT_DISK")
@@ -135,10 +138,39 @@ def cmd_agent(a: argparse.Namespace) -> int:
 
     extra = {"disk_every": a.disk_every, "s3_every": a.s3_every, "keep_memory": a.keep_memory,
              "keep_disk": a.keep_disk, "keep_s3": a.keep_s3, "compress": True if a.compress else None,
-             "node_rank": a.node_rank}
+             "node_rank": a.node_rank, "peers": a.peers, "secret_file": a.secret_file, "replicas": a.replicas,
+             "placement": a.placement, "peer_bandwidth": a.peer_bandwidth, "heartbeat": a.heartbeat,
+             "dead_after": a.dead_after, "tls_cert": a.tls_cert, "tls_key": a.tls_key, "tls_ca": a.tls_ca}
     s = _settings(a, extra)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     return run_agent(s)
+
+
+def cmd_status(a: argparse.Namespace) -> int:
+    s = Settings.load({"shm": a.shm, "socket": a.socket}, config_file=a.config)
+    client = AgentClient.try_connect(s.socket_path, timeout=10)
+    if client is None:
+        raise CliError(f"no agent answers on {s.socket_path.replace(chr(0), '@')}: is `ckpt agent` running "
+                       "with this --shm?")
+    with client:
+        st = client.call("status")
+    if a.json:
+        print(json.dumps(st, indent=2, sort_keys=True))
+        return 0
+    cfg = st["settings"]
+    print(f"agent pid {st['pid']}  node {st['node']}  memory {cfg['shm']}  disk {cfg['disk']}  s3 {cfg['s3']}")
+    print(f"saves {st['stats']['saves']}  in {_fmt_bytes(st['stats']['bytes_in'])}  "
+          f"replicated {_fmt_bytes(st['stats']['replicated_bytes'])}  in flight {_fmt_bytes(st['inflight_bytes'])}  "
+          f"queued {st['queued']}  pending {len(st['pending'])}  errors {st['errors'] or 'none'}")
+    if st["peers"]:
+        rows = [["node", "address", "domain", "alive", "last seen", "bytes held", "debt", "copies to", "errors"]]
+        for p in st["peers"]:
+            seen = "never" if p["last_seen_s"] is None else f"{p['last_seen_s']:.1f}s ago"
+            rows.append([str(p["node"]), p["addr"], p["domain"] or "-", "yes" if p["alive"] else "DEAD", seen,
+                         _fmt_bytes(p["bytes_held"]), _fmt_bytes(p["debt_bytes"]),
+                         "yes" if p["replicates_to"] else "-", str(p["errors"])])
+        print(_table(rows))
+    return 0
 
 
 def cmd_list(a: argparse.Namespace) -> int:
@@ -365,7 +397,22 @@ def build_parser() -> argparse.ArgumentParser:
     ag.add_argument("--keep-disk", type=int)
     ag.add_argument("--keep-s3", type=int)
     ag.add_argument("--compress", action="store_true", help="LZ4-compress shards on disk")
+    ag.add_argument("--peers", help="file listing every node's agent (host:port [domain=LABEL]), or a comma list")
+    ag.add_argument("--secret-file", help="per-job secret that signs peer requests (required off loopback)")
+    ag.add_argument("--replicas", type=int, help="copies of each shard in host memory, own included (default 2)")
+    ag.add_argument("--placement", choices=("group", "ring"))
+    ag.add_argument("--peer-bandwidth", type=int, help="cap on replication traffic, bytes/s")
+    ag.add_argument("--heartbeat", type=float, help="seconds between heartbeats")
+    ag.add_argument("--dead-after", type=float, help="seconds of silence before a peer is declared dead")
+    ag.add_argument("--tls-cert")
+    ag.add_argument("--tls-key")
+    ag.add_argument("--tls-ca")
     ag.set_defaults(fn=cmd_agent)
+
+    st = sub.add_parser("status", help="the node agent: queues, errors, and each peer (alive, last seen, bytes)")
+    _tier_flags(st)
+    st.add_argument("--json", action="store_true")
+    st.set_defaults(fn=cmd_status)
 
     for name, fn, hlp in (("list", cmd_list, "steps x tiers: complete or not, size, age"),
                           ("show", cmd_show, "one step: shards, tensors, where each is"),

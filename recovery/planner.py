@@ -47,9 +47,12 @@ def _candidates(invs: list[TierInventory], job: str) -> dict[int, tuple[Manifest
     return out
 
 
-def _sources(invs: list[TierInventory], job: str, step: int, m: Manifest) -> dict[int, list[Tier]] | None:
+def _sources(invs: list[TierInventory], job: str, step: int, m: Manifest,
+             ranks: list[int] | None = None) -> dict[int, list[Tier]] | None:
     sources: dict[int, list[Tier]] = {}
     for shard in m.shards:
+        if ranks is not None and shard.rank not in ranks:
+            continue
         where = []
         for inv in invs:
             st = inv.job(job).get(step)
@@ -61,13 +64,18 @@ def _sources(invs: list[TierInventory], job: str, step: int, m: Manifest) -> dic
     return sources
 
 
-def complete_steps(invs: list[TierInventory], job: str) -> list[int]:
-    """Steps whose manifest and every shard can be read somewhere, ascending."""
-    return sorted(s for s, (m, _) in _candidates(invs, job).items() if _sources(invs, job, s, m) is not None)
+def complete_steps(invs: list[TierInventory], job: str, ranks: list[int] | None = None) -> list[int]:
+    """Steps whose manifest and every shard (of ``ranks``, all if None) can be read somewhere, ascending."""
+    return sorted(s for s, (m, _) in _candidates(invs, job).items()
+                  if _sources(invs, job, s, m, ranks) is not None)
 
 
-def plan_restore(invs: list[TierInventory], job: str, step: int | None = None) -> RestorePlan:
-    """Plan the restore of ``step`` (the newest complete one if None).
+def plan_restore(invs: list[TierInventory], job: str, step: int | None = None,
+                 ranks: list[int] | None = None) -> RestorePlan:
+    """Plan the restore of ``step`` (the newest complete one if None) for ``ranks`` (all if None).
+
+    A rank of a job restarted with the same world size reads only its own
+    shard, so it passes ``ranks=[rank]`` and needs only that shard reachable.
 
     Raises JobNotFoundError when no tier knows the job, StepNotFoundError when
     the step is not complete anywhere (the message lists the steps that are).
@@ -82,10 +90,10 @@ def plan_restore(invs: list[TierInventory], job: str, step: int | None = None) -
         if s not in cands:
             break
         m, mt = cands[s]
-        src = _sources(invs, job, s, m)
+        src = _sources(invs, job, s, m, ranks)
         if src is not None:
             return RestorePlan(job, s, m, mt, src)
-    done = complete_steps(invs, job)
+    done = complete_steps(invs, job, ranks)
     if step is None:
         raise StepNotFoundError(f"job {job!r} has no complete step in any tier (a save may have been cut short)")
     raise StepNotFoundError(

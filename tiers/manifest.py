@@ -8,7 +8,10 @@ A manifest says, for one ``(job, step)``: the world size, every rank's shard
   place in it; a replicated tensor has zero offsets and ``shape ==
   global_shape``), ``offset`` and ``nbytes`` (byte range inside the shard);
 * a small JSON value (a data loader position, a step counter): ``name`` and
-  ``value``.
+  ``value``;
+
+and which node's agent took each shard from its trainer (``node``, the
+primary copy; 0 on a single node).
 
 It also carries user metadata and the library version that wrote it. It is
 written last in every tier, so its presence commits the step. Parsing is
@@ -175,15 +178,16 @@ def validate_layout(entries: list[dict], size: int | None = None, where: str = "
 
 @dataclass(frozen=True)
 class ShardInfo:
-    """One rank's shard: its size in bytes, its checksum, and what it holds."""
+    """One rank's shard: its size in bytes, its checksum, what it holds, and the node that saved it."""
 
     rank: int
     size: int
     checksum: str
     entries: tuple[Entry, ...] = ()
+    node: int = 0
 
     def to_json(self) -> dict:
-        return {"rank": self.rank, "size": self.size, "checksum": self.checksum,
+        return {"rank": self.rank, "size": self.size, "checksum": self.checksum, "node": self.node,
                 "entries": [e.to_json() for e in self.entries]}
 
 
@@ -270,7 +274,10 @@ class Manifest:
             if rank != r or size < 0:
                 raise ManifestError(f"malformed manifest: {where} has rank {rank} / size {size}")
             entries = validate_layout(_need(s, "entries", list, where), size, f"{where}.entries")
-            shards.append(ShardInfo(rank, size, checksum, tuple(entries)))
+            node = s.get("node", 0)
+            if isinstance(node, bool) or not isinstance(node, int) or node < 0:
+                raise ManifestError(f"malformed manifest: {where}.node must be an int >= 0")
+            shards.append(ShardInfo(rank, size, checksum, tuple(entries), node))
         metadata = obj.get("metadata", {})
         if not isinstance(metadata, dict):
             raise ManifestError("malformed manifest: metadata must be an object")
