@@ -45,6 +45,8 @@ import time
 from typing import Any, Callable, Iterable, Mapping, Union
 from urllib.parse import parse_qsl, quote
 
+from .checksum import ALGO
+
 __all__ = [
     "WIRE_VERSION",
     "H_VERSION",
@@ -55,6 +57,7 @@ __all__ = [
     "H_CHECKSUM",
     "H_MTIME",
     "H_MORE",
+    "CHECKSUM_RE",
     "MAX_KEY_LEN",
     "MAX_LIST_KEYS",
     "MAX_LIST_BYTES",
@@ -106,8 +109,9 @@ MAX_LIST_BYTES = 4 << 20
 MAX_HEADER_SIZE = 8190
 #: most header fields in one request
 MAX_HEADERS = 64
-#: largest body of any request other than an object upload (JSON of extra routes), bytes
-MAX_SMALL_BODY = 1 << 20
+#: largest body of any request other than an object upload (JSON of extra routes, e.g. a
+#: rank's layout in a commit record), bytes; only read once the request is authenticated
+MAX_SMALL_BODY = 64 << 20
 #: default cap on one uploaded object (shard), bytes; servers may set their own
 DEFAULT_MAX_BODY = 256 << 30
 #: how far a request's timestamp may be from the receiver's clock, seconds
@@ -125,7 +129,8 @@ _NONCE_RE = re.compile(r"^[0-9a-f]{32}\Z")
 _SIG_RE = re.compile(r"^[0-9a-f]{64}\Z")
 _NODE_RE = re.compile(r"^(0|[1-9][0-9]{0,9})\Z")
 _TS_RE = re.compile(r"^[0-9]{1,12}(\.[0-9]{1,9})?\Z")
-_CHECKSUM_RE = re.compile(r"^[A-Za-z0-9_]{1,32}:[0-9a-f]{1,128}\Z")
+#: the form of an ``X-Tierckpt-Checksum`` value
+CHECKSUM_RE = re.compile(r"^" + ALGO + r":[0-9a-f]{16}\Z")
 _SAFE = "-._~"
 
 #: a query as a mapping, as (name, value) pairs, or as an encoded string
@@ -255,19 +260,29 @@ class NonceCache:
             if nonce in self._expiry:
                 return False
             if len(self._expiry) >= self.max_entries:
-                raise AuthError("busy", f"too many requests in the last {2 * MAX_SKEW:.0f} s to guard "
-                                        "against replays; retry shortly")
+                raise AuthError("busy", "too many requests in the replay window to remember them all; "
+                                        "retry shortly")
             self._expiry[nonce] = expires
             heapq.heappush(self._heap, (expires, nonce))
             return True
 
 
-def _one(headers: Mapping[str, str], name: str) -> str:
+def _all(headers: Mapping[str, str], name: str) -> list[str]:
     getall = getattr(headers, "getall", None)
-    if getall is not None:
-        values = getall(name, [])
-    else:
-        values = [v for k, v in headers.items() if k.lower() == name.lower()]
+    if getall is not None:  # a case-insensitive multidict, as servers hand headers over
+        return list(getall(name, []))
+    return [v for k, v in headers.items() if k.lower() == name.lower()]
+
+
+def _opt(headers: Mapping[str, str], name: str) -> str:
+    values = _all(headers, name)
+    if len(values) > 1:
+        raise AuthError("missing", f"header {name} given more than once")
+    return values[0] if values else ""
+
+
+def _one(headers: Mapping[str, str], name: str) -> str:
+    values = _all(headers, name)
     if not values:
         raise AuthError("missing", f"missing header {name}")
     if len(values) > 1:
@@ -312,8 +327,8 @@ class Verifier:
             raise AuthError("malformed", f"malformed {H_NONCE} header (want 32 lower-case hex digits)")
         if not _SIG_RE.match(signature):
             raise AuthError("malformed", f"malformed {H_SIGNATURE} header (want 64 lower-case hex digits)")
-        cl = headers.get("Content-Length", "")
-        checksum = headers.get(H_CHECKSUM, "")
+        cl = _opt(headers, "Content-Length")
+        checksum = _opt(headers, H_CHECKSUM)
         if "\n" in cl + checksum or "\r" in cl + checksum:
             raise AuthError("malformed", "a signed header holds a line break")
         now = self._clock()
@@ -351,14 +366,16 @@ def load_secret(path: str | os.PathLike) -> bytes:
                           f"(umask 077; head -c 32 /dev/urandom | base64 > {path})") from None
     except OSError as e:
         raise SecretError(f"cannot open secret file {path}: {e.strerror}") from e
-    with os.fdopen(fd, "rb") as f:
-        st = os.fstat(f.fileno())
+    try:
+        st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
             raise SecretError(f"secret file {path} is not a regular file")
         if st.st_mode & 0o077:
             raise SecretError(f"secret file {path} is accessible to group or others "
                               f"(mode {stat.S_IMODE(st.st_mode):o}): chmod 600 {path}")
-        data = f.read(1 << 16).rstrip(b" \t\r\n")
+        data = os.read(fd, 1 << 16).rstrip(b" \t\r\n")
+    finally:
+        os.close(fd)
     if not data:
         raise SecretError(f"secret file {path} is empty: put at least {MIN_SECRET_LEN} random bytes in it")
     if len(data) < MIN_SECRET_LEN:

@@ -1,0 +1,620 @@
+"""The peer server: this node's memory tier over HTTP/1.1, for the agents of other nodes.
+
+Routes (``<key>`` is a shard or manifest key of :mod:`tiers.keys`; any other key is a 400)::
+
+    GET    /v1/health            {"node", "version", "time", "bytes_held", "objects"} (heartbeats)
+    GET    /v1/list?prefix=P[&after=K]
+                                 [[key, size], ...] sorted, at most MAX_LIST_KEYS; the answer
+                                 carries ``X-Tierckpt-More: 1`` when more keys follow
+    HEAD   /v1/o/<key>           Content-Length and X-Tierckpt-Mtime; 404 if absent
+    GET    /v1/o/<key>           the bytes (``Range: bytes=a-b`` → 206), sent with sendfile
+    PUT    /v1/o/<key>           Content-Length required (≤ max_body), X-Tierckpt-Checksum
+                                 required for shards; 201 once verified and published,
+                                 422 on a checksum mismatch (nothing published)
+    DELETE /v1/o/<key>           204, present or not
+    GET    /metrics              Prometheus text; never needs a signature
+
+With a secret, every other request must carry a valid signature
+(:mod:`tiers.wire`) or is answered 401 with a one-line reason; the refusal is
+logged (logger ``tierckpt.peer``) and the server carries on. Without a secret
+the server accepts unsigned requests and so listens on loopback only.
+
+An upload is written to a dot-named temp file beside its key (``.tmp-peer-…``,
+never listed, swept by the agent at start), checked against its checksum as it
+arrives, and renamed into place only when whole and correct. An upload sent
+with ``Expect: 100-continue`` is authenticated and size-checked before its body
+is asked for, so a refused upload costs no transfer.
+
+Limits: request line and each header ≤ MAX_HEADER_SIZE bytes, ≤ MAX_HEADERS
+headers, keys ≤ MAX_KEY_LEN bytes, bodies other than uploads ≤
+MAX_SMALL_BODY, an upload body may pause at most ``read_timeout`` seconds,
+other requests finish within ``handler_timeout`` seconds.
+
+Run one by hand (debugging, curl)::
+
+    python -m agents.peer_server --root /dev/shm/x --port 8765 [--host H --secret-file F]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import collections
+import contextlib
+import errno
+import inspect
+import ipaddress
+import logging
+import math
+import os
+import re
+import signal
+import socket
+import ssl
+import stat
+import time
+import uuid
+from typing import Any, Awaitable, Callable, Iterable
+
+from aiohttp import web
+
+from tiers import keys
+from tiers.checksum import Hasher
+from tiers.errors import KeyNotFoundError
+from tiers.memory import MemoryTier
+from tiers.wire import (
+    CHECKSUM_RE,
+    DEFAULT_MAX_BODY,
+    H_CHECKSUM,
+    H_MORE,
+    H_MTIME,
+    H_VERSION,
+    HANDLER_TIMEOUT,
+    MAX_HEADER_SIZE,
+    MAX_HEADERS,
+    MAX_KEY_LEN,
+    MAX_LIST_KEYS,
+    MAX_SKEW,
+    MAX_SMALL_BODY,
+    READ_IDLE_TIMEOUT,
+    WIRE_VERSION,
+    AuthError,
+    SecretError,
+    Verifier,
+    load_secret,
+)
+
+__all__ = ["PeerServer", "PeerServerError", "Handler"]
+
+log = logging.getLogger("tierckpt.peer")
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+#: bytes the server buffers per connection before it stops reading the socket
+_READ_BUFSIZE = 4 << 20
+#: seconds ``stop`` waits for requests in flight
+_SHUTDOWN_TIMEOUT = 5.0
+#: refusals logged per window before they are only counted
+_LOG_BURST, _LOG_WINDOW = 5, 10.0
+_KNOWN_METHODS = frozenset({"GET", "HEAD", "PUT", "POST", "DELETE", "OPTIONS", "PATCH"})
+_METRIC_NAME_RE = re.compile(r"^[a-zA-Z_:][a-zA-Z0-9_:]*\Z")
+#: where a request keeps the sender's node rank once authenticated (None when unsigned)
+_AUTHED: Any = web.RequestKey("tierckpt_node", object) if hasattr(web, "RequestKey") else "tierckpt_node"
+
+
+class PeerServerError(ValueError):
+    """The peer server cannot be set up as asked (e.g. an unauthenticated public address)."""
+
+
+def _is_loopback(host: str) -> bool:
+    """True when every address ``host`` names is a loopback address."""
+    host = (host or "").strip("[]")
+    if not host:
+        return False
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        pass
+    try:
+        infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+    except OSError:
+        return False
+    addrs = {info[4][0] for info in infos}
+    return bool(addrs) and all(ipaddress.ip_address(a.split("%")[0]).is_loopback for a in addrs)
+
+
+def _text(status: int, reason: str, **kw: Any) -> web.Response:
+    return web.Response(status=status, text=reason.rstrip("\n") + "\n", **kw)
+
+
+def _label(value: str) -> str:
+    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+
+def _number(v: float) -> str:
+    if math.isnan(v):
+        return "NaN"
+    if math.isinf(v):
+        return "+Inf" if v > 0 else "-Inf"
+    return repr(int(v)) if float(v).is_integer() and abs(v) < 2**53 else repr(float(v))
+
+
+class _Refused(Exception):
+    """A request the server answers with an error status; ``response`` is that answer."""
+
+    def __init__(self, response: web.Response) -> None:
+        self.response = response
+
+
+class PeerServer:
+    """Serves a :class:`~tiers.memory.MemoryTier` to other nodes over HTTP/1.1 (see the module docstring).
+
+    ``host``/``port``: where to listen (port 0 picks a free port; ``.port`` says
+    which once started). ``secret``: the per-job secret; None is allowed only
+    on a loopback address. ``node``: this node's rank, reported by health.
+    ``ssl_context``: a server-side TLS context, or None for plain TCP.
+    ``max_body``: largest accepted upload, bytes. ``on_put(key, size)``: called
+    (and awaited if it returns an awaitable) after each published upload.
+    ``extra_routes``: ``(method, path, handler)`` triples added to the
+    application, behind the same authentication. ``metrics_cb()``: extra gauges
+    ``{name: value}`` for ``/metrics``. ``max_skew``: seconds a signed
+    timestamp may be off. ``read_timeout``: seconds an upload body may stall.
+    ``handler_timeout``: seconds any other request may take.
+
+    Call order: ``await start()`` once, then ``await stop()`` once. Raises
+    :class:`PeerServerError` at construction when asked to listen on a
+    non-loopback address without a secret.
+    """
+
+    def __init__(
+        self,
+        memory: MemoryTier,
+        *,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        secret: bytes | None = None,
+        node: int = 0,
+        ssl_context: ssl.SSLContext | None = None,
+        max_body: int = DEFAULT_MAX_BODY,
+        on_put: Callable[[str, int], Any] | None = None,
+        extra_routes: Iterable[tuple[str, str, Handler]] | None = None,
+        metrics_cb: Callable[[], dict[str, float]] | None = None,
+        max_skew: float = MAX_SKEW,
+        read_timeout: float = READ_IDLE_TIMEOUT,
+        handler_timeout: float = HANDLER_TIMEOUT,
+    ) -> None:
+        if not secret and not _is_loopback(host):
+            raise PeerServerError(
+                f"refusing to serve the memory tier on {host or 'every address'!s} without a secret: "
+                "pass --secret-file (the same file on every node), or listen on 127.0.0.1"
+            )
+        if not 0 <= int(port) <= 65535:
+            raise PeerServerError(f"port {port} is not in 0..65535")
+        if max_body < 0:
+            raise PeerServerError("max_body must be >= 0 bytes")
+        self.memory = memory
+        self.host = host
+        self.port = int(port)
+        self.node = int(node)
+        self.ssl_context = ssl_context
+        self.max_body = int(max_body)
+        self.on_put = on_put
+        self.metrics_cb = metrics_cb
+        self.read_timeout = float(read_timeout)
+        self.handler_timeout = float(handler_timeout)
+        self._verifier = Verifier(secret, max_skew=max_skew) if secret else None
+        self._extra = list(extra_routes or ())
+        self._runner: web.AppRunner | None = None
+        # counters for /metrics; touched only on the event loop's thread
+        self._requests: collections.Counter[tuple[str, str, int]] = collections.Counter()
+        self._auth_failures: collections.Counter[str] = collections.Counter()
+        self._bytes_in = 0
+        self._bytes_out = 0
+        self._checksum_mismatches = 0
+        self._aborted_uploads = 0
+        self._errors = 0
+        self._log_window = (0.0, 0, 0)  # window start, lines logged, lines suppressed
+        self._app = self._build_app()
+
+    @property
+    def address(self) -> str:
+        """``host:port`` as clients should dial it (the real port once started)."""
+        host = self.host if ":" not in self.host else f"[{self.host}]"
+        return f"{host}:{self.port}"
+
+    def describe(self) -> str:
+        scheme = "https" if self.ssl_context else "http"
+        auth = "signed" if self._verifier else "unsigned, loopback only"
+        return f"peer server {scheme}://{self.address} ({auth}) for {self.memory.root}"
+
+    # -- lifecycle -------------------------------------------------------------------------
+    def _build_app(self) -> web.Application:
+        app = web.Application(middlewares=[self._middleware], client_max_size=MAX_SMALL_BODY)
+        r = app.router
+        r.add_route("GET", "/v1/health", self._health, name="health")
+        r.add_route("GET", "/v1/list", self._list, name="list")
+        obj = r.add_resource("/v1/o/{key:.+}", name="object")
+        obj.add_route("GET", self._get)
+        obj.add_route("HEAD", self._get)
+        obj.add_route("PUT", self._put, expect_handler=self._expect_put)
+        obj.add_route("DELETE", self._delete)
+        self._object = obj
+        r.add_route("GET", "/metrics", self._metrics, name="metrics")
+        for method, path, handler in self._extra:
+            r.add_route(method, path, handler)
+        app.on_response_prepare.append(self._count_response)
+        return app
+
+    async def start(self) -> None:
+        """Bind and start serving; afterwards ``.port`` is the port really listened on."""
+        if self._runner is not None:
+            raise RuntimeError("PeerServer.start called twice")
+        infos = socket.getaddrinfo(self.host or None, self.port, type=socket.SOCK_STREAM,
+                                   flags=socket.AI_PASSIVE)
+        family, kind, proto, _, sockaddr = infos[0]
+        sock = socket.socket(family, kind, proto)
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind(sockaddr)
+        except OSError as e:
+            sock.close()
+            raise OSError(e.errno, f"peer server cannot listen on {self.address}: {e.strerror}") from e
+        self.port = sock.getsockname()[1]
+        runner = web.AppRunner(
+            self._app, handle_signals=False, access_log=None, shutdown_timeout=_SHUTDOWN_TIMEOUT,
+            max_line_size=MAX_HEADER_SIZE, max_field_size=MAX_HEADER_SIZE, max_headers=MAX_HEADERS,
+            read_bufsize=_READ_BUFSIZE, keepalive_timeout=75.0, lingering_time=2.0,
+        )
+        await runner.setup()
+        try:
+            await web.SockSite(runner, sock, ssl_context=self.ssl_context, backlog=256).start()
+        except BaseException:
+            await runner.cleanup()
+            sock.close()
+            raise
+        self._runner = runner
+        log.info("%s: listening", self.describe())
+
+    async def stop(self) -> None:
+        """Stop listening and close connections (waiting briefly for requests in flight)."""
+        runner, self._runner = self._runner, None
+        if runner is not None:
+            await runner.cleanup()
+
+    async def __aenter__(self) -> "PeerServer":
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await self.stop()
+
+    # -- authentication, timeouts, errors ----------------------------------------------------
+    def _authenticate(self, request: web.Request) -> web.Response | None:
+        """None if the request may proceed, else the answer refusing it."""
+        if _AUTHED in request:
+            return None
+        if self._verifier is None:
+            version = request.headers.get(H_VERSION)
+            if version is not None and version != str(WIRE_VERSION):
+                return _text(400, f"wire version {version[:16]!r} not supported (this node speaks {WIRE_VERSION})")
+            request[_AUTHED] = None
+            return None
+        try:
+            request[_AUTHED] = self._verifier.verify(request.method, request.path, request.query,
+                                                     request.headers)
+        except AuthError as e:
+            self._auth_failures[e.reason] += 1
+            self._log_refusal(request, str(e))
+            return _text(401, str(e), headers={"WWW-Authenticate": "Tierckpt"})
+        return None
+
+    def _log_refusal(self, request: web.Request, reason: str) -> None:
+        now = time.monotonic()
+        start, logged, suppressed = self._log_window
+        if now - start > _LOG_WINDOW:
+            if suppressed:
+                log.warning("%d more requests refused in the last %.0f s", suppressed, _LOG_WINDOW)
+            start, logged, suppressed = now, 0, 0
+        if logged < _LOG_BURST:
+            peer = request.remote or "?"
+            log.warning("refused %s %s from %s: %s", request.method, request.path[:200], peer, reason)
+            logged += 1
+        else:
+            suppressed += 1
+        self._log_window = (start, logged, suppressed)
+
+    @web.middleware
+    async def _middleware(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        if request.path != "/metrics":
+            refused = self._authenticate(request)
+            if refused is not None:
+                return refused
+        try:
+            if request.method == "PUT" and request.match_info.route.resource is self._object:
+                # an upload bounds its own reads (idle timeout per piece), not its total time
+                return await handler(request)
+            return await asyncio.wait_for(handler(request), self.handler_timeout)
+        except _Refused as e:
+            return e.response
+        except web.HTTPException:
+            raise
+        except asyncio.TimeoutError:
+            self._errors += 1
+            log.warning("%s %s took longer than %.0f s: answered 503", request.method, request.path[:200],
+                        self.handler_timeout)
+            return _text(503, f"request took longer than {self.handler_timeout:.0f} s")
+        except Exception:
+            self._errors += 1
+            log.exception("peer server failed on %s %s", request.method, request.path[:200])
+            return _text(500, "internal error (see the peer's log)")
+
+    async def _count_response(self, request: web.Request, response: web.StreamResponse) -> None:
+        try:
+            resource = request.match_info.route.resource
+        except (AttributeError, RuntimeError):
+            resource = None
+        route = (resource.name or resource.canonical) if resource is not None else "none"
+        method = request.method if request.method in _KNOWN_METHODS else "other"
+        self._requests[(route, method, response.status)] += 1
+        if request.method != "HEAD" and response.content_length:
+            self._bytes_out += response.content_length
+
+    # -- keys ------------------------------------------------------------------------------
+    def _key(self, request: web.Request) -> str:
+        key = request.match_info["key"]
+        try:
+            ok = len(key) <= MAX_KEY_LEN and keys.parse_key(key) is not None and bool(self.memory.path(key))
+        except KeyNotFoundError:
+            ok = False  # a name the memory folder refuses (dot-files are private to it)
+        if not ok:
+            raise _Refused(_text(400, f"invalid key {key[:MAX_KEY_LEN]!r}: expected <job>/step-<N>/rank-<R>.shard "
+                                      "or <job>/step-<N>/manifest.json"))
+        return key
+
+    # -- routes ----------------------------------------------------------------------------
+    def _held(self) -> tuple[int, int]:
+        total = count = 0
+        for key in self.memory.list():
+            with contextlib.suppress(OSError):
+                total += os.stat(self.memory.path(key)).st_size
+                count += 1
+        return total, count
+
+    async def _health(self, request: web.Request) -> web.Response:
+        held, count = await asyncio.get_running_loop().run_in_executor(None, self._held)
+        return web.json_response({"node": self.node, "version": WIRE_VERSION, "time": time.time(),
+                                  "bytes_held": held, "objects": count})
+
+    def _scan(self, prefix: str, after: str) -> tuple[list[list[Any]], bool]:
+        entries: list[list[Any]] = []
+        more = False
+        for key in self.memory.list(prefix):
+            if key <= after or keys.parse_key(key) is None:
+                continue
+            try:
+                st = os.stat(self.memory.path(key))
+            except OSError:
+                continue  # deleted since it was listed
+            if len(entries) == MAX_LIST_KEYS:
+                more = True
+                break
+            entries.append([key, st.st_size])
+        return entries, more
+
+    async def _list(self, request: web.Request) -> web.Response:
+        prefix = request.query.get("prefix", "")
+        after = request.query.get("after", "")
+        for name, value in (("prefix", prefix), ("after", after)):
+            if len(value) > MAX_KEY_LEN or "\0" in value:
+                return _text(400, f"invalid {name} {value[:64]!r}")
+        entries, more = await asyncio.get_running_loop().run_in_executor(None, self._scan, prefix, after)
+        return web.json_response(entries, headers={H_MORE: "1" if more else "0"})
+
+    async def _get(self, request: web.Request) -> web.StreamResponse:
+        key = self._key(request)
+        path = self.memory.path(key)
+        try:
+            st = os.stat(path)
+        except FileNotFoundError:
+            st = None
+        if st is None or not stat.S_ISREG(st.st_mode):
+            return _text(404, f"{key} is not held by node {self.node}")
+        # the file is opened once by FileResponse, so an overwrite racing the send cannot tear it
+        return web.FileResponse(path, headers={H_MTIME: repr(st.st_mtime)})
+
+    async def _delete(self, request: web.Request) -> web.Response:
+        key = self._key(request)
+        await asyncio.get_running_loop().run_in_executor(None, self.memory.delete, key)
+        return web.Response(status=204)
+
+    def _check_upload(self, request: web.Request, key: str) -> tuple[int, str | None]:
+        """The upload's size and expected checksum, or raise _Refused before any body is read."""
+        if request.headers.get("Transfer-Encoding"):
+            raise _Refused(_text(411, "send a Content-Length, not a chunked body"))
+        size = request.content_length
+        if size is None:
+            raise _Refused(_text(411, "Content-Length required"))
+        if size > self.max_body:
+            raise _Refused(_text(413, f"{key}: {size} bytes is more than this node accepts ({self.max_body})"))
+        checksum = request.headers.get(H_CHECKSUM)
+        if checksum is None and not keys.parse_key(key).is_manifest:
+            raise _Refused(_text(400, f"{H_CHECKSUM} required for shard uploads"))
+        if checksum is not None and not CHECKSUM_RE.match(checksum):
+            raise _Refused(_text(400, f"malformed {H_CHECKSUM} {checksum[:80]!r}"))
+        try:
+            vfs = os.statvfs(self.memory.root)
+        except OSError:
+            vfs = None
+        if vfs is not None and size > vfs.f_bavail * vfs.f_frsize:
+            raise _Refused(_text(507, f"no room for {size} bytes in {self.memory.root} on node {self.node}"))
+        return size, checksum
+
+    async def _expect_put(self, request: web.Request) -> web.StreamResponse | None:
+        """Answer ``Expect: 100-continue``: refuse now, or ask for the body."""
+        if request.headers.get("Expect", "").lower() != "100-continue":
+            return _text(417, "only 'Expect: 100-continue' is understood")
+        try:
+            refused = self._authenticate(request)
+            if refused is None:
+                self._check_upload(request, self._key(request))
+        except _Refused as e:
+            refused = e.response
+        if refused is not None:
+            # the client will not send the body it announced, so this connection is spent
+            refused.force_close()
+            return refused
+        if request.version >= (1, 1):
+            await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+        return None
+
+    async def _put(self, request: web.Request) -> web.Response:
+        key = self._key(request)
+        size, expected = self._check_upload(request, key)
+        loop = asyncio.get_running_loop()
+        path = self.memory.path(key)
+        folder = os.path.dirname(path)
+        tmp: str | None = os.path.join(folder, f".tmp-peer-{uuid.uuid4().hex}")
+        fd: int | None = None
+        try:
+            os.makedirs(folder, exist_ok=True)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            if size:
+                # claim the memory up front: a full tmpfs fails here, not after the transfer
+                await loop.run_in_executor(None, os.posix_fallocate, fd, 0, size)
+            hasher = Hasher()
+            done = 0
+            while done < size:
+                try:
+                    # one buffered piece at a time: readany() would first join them into a copy
+                    chunk, _ = await asyncio.wait_for(request.content.readchunk(), self.read_timeout)
+                except asyncio.TimeoutError:
+                    self._aborted_uploads += 1
+                    return _text(408, f"{key}: body stalled for {self.read_timeout:.0f} s after {done} of {size} bytes")
+                except Exception as e:  # the connection broke; the client sees nothing either way
+                    self._aborted_uploads += 1
+                    log.info("upload of %s from %s broke after %d of %d bytes: %s",
+                             key, request.remote, done, size, e)
+                    return _text(400, f"{key}: body ended after {done} of {size} bytes")
+                if not chunk:
+                    self._aborted_uploads += 1
+                    log.info("upload of %s from %s ended after %d of %d bytes", key, request.remote, done, size)
+                    return _text(400, f"{key}: body ended after {done} of {size} bytes")
+                hasher.update(chunk)
+                view = memoryview(chunk)
+                while view:
+                    n = os.pwrite(fd, view, done)
+                    view = view[n:]
+                    done += n
+            got = hasher.hexdigest()
+            if expected is not None and got != expected:
+                self._checksum_mismatches += 1
+                log.warning("upload of %s from %s: checksum %s, header said %s; not stored",
+                            key, request.remote, got, expected)
+                return _text(422, f"{key}: body checksum {got} does not match {H_CHECKSUM} {expected}")
+            os.close(fd)
+            fd = None
+            os.rename(tmp, path)
+            tmp = None
+        except OSError as e:
+            if e.errno in (errno.ENOSPC, errno.EDQUOT, errno.ENOMEM):
+                return _text(507, f"no room for {size} bytes in {self.memory.root} on node {self.node}")
+            raise
+        finally:
+            if fd is not None:
+                os.close(fd)
+            if tmp is not None:
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp)
+        self._bytes_in += size
+        if self.on_put is not None:
+            try:
+                result = self.on_put(key, size)
+                if inspect.isawaitable(result):
+                    await result
+            except Exception:
+                log.exception("on_put callback failed for %s (the object is stored)", key)
+        return web.json_response({"key": key, "size": size, "checksum": got}, status=201)
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        lines = [
+            "# HELP tierckpt_peer_requests_total Requests answered, by route, method and status.",
+            "# TYPE tierckpt_peer_requests_total counter",
+        ]
+        for (route, method, status), n in sorted(self._requests.items()):
+            lines.append(f'tierckpt_peer_requests_total{{route="{_label(route)}",method="{method}",'
+                         f'status="{status}"}} {n}')
+        lines += [
+            "# HELP tierckpt_peer_auth_failures_total Requests refused for failed authentication, by reason.",
+            "# TYPE tierckpt_peer_auth_failures_total counter",
+        ]
+        for reason in ("missing", "version", "malformed", "skew", "signature", "replay", "busy"):
+            lines.append(f'tierckpt_peer_auth_failures_total{{reason="{reason}"}} {self._auth_failures[reason]}')
+        for name, help_, value in (
+            ("tierckpt_peer_bytes_in_total", "Bytes of uploads received and published.", self._bytes_in),
+            ("tierckpt_peer_bytes_out_total", "Bytes of response bodies sent.", self._bytes_out),
+            ("tierckpt_peer_checksum_mismatches_total", "Uploads refused because the body did not match "
+                                                        "its checksum.", self._checksum_mismatches),
+            ("tierckpt_peer_aborted_uploads_total", "Uploads whose body stalled or ended early.",
+             self._aborted_uploads),
+            ("tierckpt_peer_errors_total", "Requests that failed inside the server (500/503).", self._errors),
+        ):
+            lines += [f"# HELP {name} {help_}", f"# TYPE {name} counter", f"{name} {value}"]
+        if self.metrics_cb is not None:
+            try:
+                extra = dict(self.metrics_cb())
+            except Exception:
+                log.exception("metrics callback failed")
+                extra = {}
+            for name, value in sorted(extra.items()):
+                try:
+                    number = float(value)
+                except (TypeError, ValueError):
+                    continue
+                if isinstance(name, str) and _METRIC_NAME_RE.match(name):
+                    lines += [f"# TYPE {name} gauge", f"{name} {_number(number)}"]
+        return web.Response(text="\n".join(lines) + "\n", content_type="text/plain",
+                            headers={"X-Content-Type-Options": "nosniff"}, charset="utf-8")
+
+
+# -- by hand -----------------------------------------------------------------------------
+def main(argv: list[str] | None = None) -> int:
+    """Serve a memory folder until SIGINT/SIGTERM; prints ``listening on HOST:PORT`` once ready."""
+    p = argparse.ArgumentParser(prog="python -m agents.peer_server", description=main.__doc__)
+    p.add_argument("--root", required=True, help="memory tier folder to serve")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=0, help="0 picks a free port")
+    p.add_argument("--node", type=int, default=0, help="this node's rank")
+    p.add_argument("--secret-file", default=os.environ.get("CKPT_SECRET_FILE") or None)
+    p.add_argument("--max-body", type=int, default=DEFAULT_MAX_BODY, help="largest upload, bytes")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    try:
+        secret = load_secret(args.secret_file) if args.secret_file else None
+    except SecretError as e:
+        print(f"error: {e}", flush=True)
+        return 2
+
+    async def serve() -> None:
+        server = PeerServer(MemoryTier(args.root), host=args.host, port=args.port, secret=secret,
+                            node=args.node, max_body=args.max_body)
+        await server.start()
+        print(f"listening on {server.address}", flush=True)
+        done = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, done.set)
+        try:
+            await done.wait()
+        finally:
+            await server.stop()
+
+    try:
+        asyncio.run(serve())
+    except PeerServerError as e:
+        print(f"error: {e}", flush=True)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,163 @@
+"""End to end: several agents on loopback, each with its own shm folder standing in for a node."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+
+import pytest
+import torch
+
+import ckpt
+from procs import agent_call, ckpt_cmd, kill9, start_agent
+from recovery import fetch_shard, plan_restore, scan_tiers
+from s3util import free_port
+from test_e2e_faults import _stage_raw
+from tiers import keys
+from tiers.peer import PeerTier
+
+pytestmark = pytest.mark.e2e
+FAST = ["--heartbeat", "0.2", "--dead-after", "1.5"]
+
+
+class Cluster:
+    """``n`` agents on 127.0.0.1, a peers file, a shared secret."""
+
+    def __init__(self, root, n: int, placement: str = "group", replicas: int = 2, domains=None) -> None:
+        self.root = root
+        self.n = n
+        self.ports = [free_port() for _ in range(n)]
+        self.peers = str(root / "peers.txt")
+        with open(self.peers, "w") as f:
+            for i, p in enumerate(self.ports):
+                f.write(f"127.0.0.1:{p}" + (f" domain={domains[i]}" if domains else "") + "\n")
+        self.secret = str(root / "secret")
+        fd = os.open(self.secret, os.O_WRONLY | os.O_CREAT, 0o600)
+        os.write(fd, os.urandom(32))
+        os.close(fd)
+        self.args = ["--peers", self.peers, "--secret-file", self.secret, "--placement", placement,
+                     "--replicas", str(replicas), *FAST]
+        self.procs: dict[int, object] = {}
+        for i in range(n):
+            self.start(i)
+
+    def shm(self, i: int) -> str:
+        return str(self.root / f"node{i}" / "shm")
+
+    def start(self, i: int) -> None:
+        os.makedirs(os.path.dirname(self.shm(i)), exist_ok=True)
+        self.procs[i] = start_agent(self.shm(i), "--node-rank", str(i), *self.args)
+
+    def kill(self, i: int, wipe: bool = True) -> None:
+        kill9(self.procs.pop(i))
+        if wipe:
+            shutil.rmtree(self.shm(i))
+
+    def holds(self, i: int, job: str, step: int, rank: int = 0) -> bool:
+        d = os.path.join(self.shm(i), job, f"step-{step}")
+        return os.path.exists(os.path.join(d, f"rank-{rank}.shard")) and os.path.exists(
+            os.path.join(d, "manifest.json"))
+
+    def wait_for(self, cond, what: str, timeout: float = 30.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if cond():
+                return
+            time.sleep(0.05)
+        logs = {i: open(p.log_path).read()[-1500:] for i, p in self.procs.items()}
+        raise AssertionError(f"timed out waiting for {what}; agent logs: {logs}")
+
+    def peer(self, i: int) -> PeerTier:
+        return PeerTier(f"127.0.0.1:{self.ports[i]}", secret=open(self.secret, "rb").read(), node=99, timeout=5)
+
+    def close(self) -> None:
+        for p in self.procs.values():
+            p.terminate()
+        for p in self.procs.values():
+            p.wait(60)
+
+
+@pytest.fixture
+def cluster(tmp_path):
+    made = []
+
+    def make(*a, **kw) -> Cluster:
+        c = Cluster(tmp_path, *a, **kw)
+        made.append(c)
+        return c
+
+    yield make
+    for c in made:
+        c.close()
+
+
+def test_step_saved_on_node_a_survives_loss_of_node_a_byte_identical(cluster):
+    c = cluster(3)
+    _stage_raw(c.shm(0), "j", 5, 8 << 20)
+    c.wait_for(lambda: c.holds(1, "j", 5), "the replica on node 1 (ring of 3: 0 -> 1)")
+    original = open(os.path.join(c.shm(0), "j", "step-5", "rank-0.shard"), "rb").read()
+    assert not c.holds(2, "j", 5)
+    c.kill(0)
+    invs = scan_tiers([c.peer(1), c.peer(2)], "j")
+    plan = plan_restore(invs, "j")
+    assert plan.step == 5 and [t.describe() for t in plan.sources[0]][0].endswith(str(c.ports[1]))
+    buf = bytearray(len(original))
+    report = fetch_shard(plan, 0, memoryview(buf))
+    assert report.tier == "peer" and bytes(buf) == original
+
+
+def test_checkpointer_on_a_replacement_node_restores_from_peer_memory(cluster):
+    c = cluster(2)
+    torch.manual_seed(0)
+    model = torch.nn.Linear(32, 32)
+    optim = torch.optim.Adam(model.parameters())
+    model(torch.randn(4, 32)).sum().backward()
+    optim.step()
+    with ckpt.Checkpointer("rep", shm=c.shm(0), spawn=False) as ck:
+        ck.save(3, {"model": model, "optim": optim}).wait()
+    c.wait_for(lambda: c.holds(1, "rep", 3), "the replica on node 1")
+    c.kill(0)
+    c.start(0)  # the replacement node: same place in the peer list, empty memory
+    fresh = torch.nn.Linear(32, 32)
+    fresh_opt = torch.optim.Adam(fresh.parameters())
+    with ckpt.Checkpointer("rep", shm=c.shm(0), spawn=False) as ck:
+        assert ck.restore({"model": fresh, "optim": fresh_opt}) == 3
+        assert ck.last_restore.tiers == ["peer"]
+    for a, b in zip(model.state_dict().values(), fresh.state_dict().values()):
+        assert torch.equal(a, b)
+    assert torch.equal(optim.state_dict()["state"][0]["exp_avg"], fresh_opt.state_dict()["state"][0]["exp_avg"])
+
+
+def test_node_loss_is_healed_to_replicas_copies_and_a_returning_empty_node_is_refilled(cluster):
+    c = cluster(4)  # group placement, k=2: {0,1} and {2,3}
+    _stage_raw(c.shm(0), "heal", 1, 4 << 20)
+    c.wait_for(lambda: c.holds(1, "heal", 1), "the replica on node 1")
+    assert not c.holds(2, "heal", 1) and not c.holds(3, "heal", 1)
+    c.kill(1)
+    # node 1 is declared dead; the next node that placement order allows (2) gets the copy
+    c.wait_for(lambda: c.holds(2, "heal", 1), "re-replication to node 2")
+    status = ckpt_cmd("status", "--shm", c.shm(0))
+    assert status.returncode == 0
+    assert any(line.split()[:1] == ["1"] and "DEAD" in line for line in status.stdout.splitlines()), status.stdout
+    c.start(1)
+    c.wait_for(lambda: c.holds(1, "heal", 1), "refill of the returning node 1")
+
+
+@pytest.mark.parametrize("placement,domains,holder,not_holder", [
+    ("group", None, 1, 2),
+    ("ring", None, 1, 3),
+    ("group", ["a", "a", "b", "b"], 2, 1),
+])
+def test_copies_go_where_placement_says_honouring_failure_domains(cluster, placement, domains, holder, not_holder):
+    c = cluster(4, placement=placement, domains=domains)
+    _stage_raw(c.shm(0), "pl", 2, 1 << 20)
+    c.wait_for(lambda: c.holds(holder, "pl", 2), f"the replica on node {holder}")
+    time.sleep(0.5)
+    assert not os.path.exists(os.path.join(c.shm(not_holder), "pl", "step-2", "rank-0.shard"))
+    st = agent_call(c.shm(0), "status")
+    assert [p["node"] for p in st["peers"] if p["replicates_to"]] == [holder]
+    # every node builds the manifest from the commit records it was sent
+    for i in range(4):
+        c.wait_for(lambda i=i: os.path.exists(os.path.join(c.shm(i), keys.manifest_key("pl", 2))),
+                   f"the manifest on node {i}")
