@@ -56,7 +56,7 @@ class Settings:
     #: when no staging slot is free: "wait" for one (up to slot_wait seconds) or "skip" the save
     full_policy: str = "wait"
     slot_wait: float = 300.0
-    #: bound on shard bytes being written to disk/S3 at once
+    #: bound on shard bytes being written to disk/S3 or copied to peers at once
     max_inflight_bytes: int = 8 << 30
     #: S3 retry deadline: after this long a failing upload is reported as an error
     s3_retry_deadline: float = 120.0

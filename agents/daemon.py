@@ -137,6 +137,7 @@ class Agent:
         self._client_ssl = None
         self._tasks: list[asyncio.Task] = []
         self._heal_now: asyncio.Event | None = None
+        self._pushing: set[tuple[int, str]] = set()
         if settings.peers:
             self._setup_peers()
 
@@ -163,9 +164,11 @@ class Agent:
                 self.peer_tiers[n.rank] = PeerTier(n.addr, secret=self._secret, node=self.me, timeout=s.peer_timeout,
                                                    ssl_context=self._client_ssl, bucket=bucket)
         mine = nodes[self.me]
+        self._bucket = bucket
         self.peer_server = PeerServer(
             self.memory, host=mine.host, port=mine.port, secret=self._secret, node=self.me, ssl_context=server_ssl,
-            extra_routes=[("POST", "/v1/commit", self._http_commit)], metrics_cb=self._metrics,
+            extra_routes=[("POST", "/v1/commit", self._http_commit), ("POST", "/v1/fetch", self._http_fetch)],
+            metrics_cb=self._metrics, long_paths=("/v1/fetch",),
         )
 
     # ------------------------------------------------------------------ lifecycle
@@ -472,25 +475,43 @@ class Agent:
                 self._peer_error(r, e)
 
         async def copy(r: int) -> None:
-            await self._push(r, key, path, nbytes)
+            await self._push(r, key, path, nbytes, checksum)
 
         await asyncio.gather(*(tell(r) for r in sorted(alive)), *(copy(r) for r in targets))
 
-    async def _push(self, r: int, key: str, src: str | bytes, nbytes: int) -> bool:
+    async def _push(self, r: int, key: str, src: str | bytes, nbytes: int, checksum: str | None = None) -> bool:
+        """Get ``key`` onto node ``r``: a shard is pulled by ``r`` from this node (GET with sendfile,
+        read straight into its memory folder — the fast direction of HTTP), a small object is PUT."""
+        if (r, key) in self._pushing:
+            return True  # already on its way there
+        self._pushing.add((r, key))
         st = self.members.peers[r]
         st.debt_bytes += nbytes
+        held = await self._budget.acquire(nbytes)
         t0 = time.perf_counter()
         try:
-            await asyncio.to_thread(self.peer_tiers[r].put, key, src)
+            if isinstance(src, str) and keys.parse_key(key) and not key.endswith(keys.MANIFEST_NAME):
+                if checksum is None:
+                    checksum = await asyncio.to_thread(checksum_file, src, nbytes)
+                # a pull of a large shard may take a while: allow for a slow 50 MB/s link
+                timeout = self.settings.peer_timeout + nbytes / 50e6
+                await asyncio.to_thread(post_json, self.members.nodes[r].addr, "/v1/fetch",
+                                        {"key": key, "size": nbytes, "checksum": checksum, "from": self.me},
+                                        secret=self._secret, node=self.me, timeout=timeout,
+                                        ssl_context=self._client_ssl)
+            else:
+                await asyncio.to_thread(self.peer_tiers[r].put, key, src)
             st.sent_bytes += nbytes
             self.stats["replicated_bytes"] += nbytes
-            log.debug("%s copied to node %d: %d bytes in %.3f s", key, r, nbytes, time.perf_counter() - t0)
+            log.info("%s copied to node %d: %d bytes in %.3f s", key, r, nbytes, time.perf_counter() - t0)
             return True
         except (TierError, OSError) as e:
             self._peer_error(r, e)
             return False
         finally:
+            await self._budget.release(held)
             st.debt_bytes -= nbytes
+            self._pushing.discard((r, key))
 
     def _peer_error(self, r: int, e: BaseException) -> None:
         st = self.members.peers[r]
@@ -534,6 +555,80 @@ class Agent:
             if len(pend.sizes) == world:
                 asyncio.create_task(self._finish_step(job, step, pend))
         return web.json_response({"ok": True})
+
+    async def _http_fetch(self, request):
+        """A peer asks this node to pull a shard from it (replication); answers once the copy is verified."""
+        from aiohttp import web
+
+        try:
+            req = await request.json()
+            key = str(req["key"])
+            info = keys.parse_key(key)
+            size, src, checksum = int(req["size"]), int(req["from"]), str(req["checksum"])
+            if info is None or info.is_manifest or size < 0 or src not in self.peer_tiers:
+                raise ValueError("key, size or source node out of range")
+        except (ValueError, KeyError, TypeError) as e:
+            return web.Response(status=400, text=f"bad fetch request: {e}\n")
+        held = await self._budget.acquire(size)
+        t0 = time.perf_counter()
+        try:
+            await asyncio.to_thread(self._pull, src, key, size, checksum)
+            log.info("%s pulled from node %d: %d bytes in %.3f s", key, src, size, time.perf_counter() - t0)
+        except (TierError, OSError) as e:
+            return web.Response(status=502, text=f"pull of {key} from node {src} failed: {e}\n")
+        finally:
+            await self._budget.release(held)
+        return web.json_response({"ok": True})
+
+    def _pull(self, src: int, key: str, size: int, checksum: str) -> None:
+        """Read ``key`` from node ``src`` straight into a new file of the memory folder; verify; publish."""
+        from tiers.errors import ChecksumMismatchError
+        from tiers.checksum import checksum_bytes
+
+        import mmap
+        import uuid
+
+        path = self.memory.path(key)
+        folder = os.path.dirname(path)
+        os.makedirs(folder, exist_ok=True)
+        tmp = os.path.join(folder, f".tmp-pull-{uuid.uuid4().hex}")
+        peer = self.peer_tiers[src]
+        try:
+            fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+            try:
+                if size:
+                    os.ftruncate(fd, size)
+                    try:
+                        os.posix_fallocate(fd, 0, size)
+                    except OSError as e:
+                        if e.errno in (errno.ENOSPC, errno.ENOMEM):
+                            from tiers.errors import TierFullError
+
+                            raise TierFullError(e.errno, f"no room for {key} in {self.memory.root}") from e
+                        raise
+                    with mmap.mmap(fd, size) as mm:
+                        mv = memoryview(mm)
+                        try:
+                            step = size if self._bucket is None else self._bucket.chunk()
+                            for off in range(0, size, step):
+                                n = min(step, size - off)
+                                if self._bucket is not None:
+                                    self._bucket.take(n)
+                                peer.read_into(key, mv[off:off + n], off)
+                            got = checksum_bytes(mv)
+                        finally:
+                            mv.release()
+                else:
+                    got = checksum_bytes(b"")
+            finally:
+                os.close(fd)
+            if got != checksum:
+                raise ChecksumMismatchError(f"{key} pulled from node {src} has checksum {got}, expected {checksum}")
+            os.rename(tmp, path)
+        except BaseException:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+            raise
 
     def _metrics(self) -> dict[str, float]:
         out = {"tierckpt_saves_total": self.stats["saves"], "tierckpt_bytes_in_total": self.stats["bytes_in"],
@@ -610,7 +705,7 @@ class Agent:
                     for r in want:
                         if r not in held or key in held[r]:
                             continue
-                        if await self._push(r, key, self.memory.path(key), sh.size):
+                        if await self._push(r, key, self.memory.path(key), sh.size, sh.checksum):
                             made += 1
                             held[r].add(key)
                             if mkey not in held[r]:

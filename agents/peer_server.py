@@ -159,7 +159,8 @@ class PeerServer:
     application, behind the same authentication. ``metrics_cb()``: extra gauges
     ``{name: value}`` for ``/metrics``. ``max_skew``: seconds a signed
     timestamp may be off. ``read_timeout``: seconds an upload body may stall.
-    ``handler_timeout``: seconds any other request may take.
+    ``handler_timeout``: seconds any other request may take, except those on
+    ``long_paths``, which bound their own time.
 
     Call order: ``await start()`` once, then ``await stop()`` once. Raises
     :class:`PeerServerError` at construction when asked to listen on a
@@ -182,6 +183,7 @@ class PeerServer:
         max_skew: float = MAX_SKEW,
         read_timeout: float = READ_IDLE_TIMEOUT,
         handler_timeout: float = HANDLER_TIMEOUT,
+        long_paths: Iterable[str] = (),
     ) -> None:
         if not secret and not _is_loopback(host):
             raise PeerServerError(
@@ -202,6 +204,8 @@ class PeerServer:
         self.metrics_cb = metrics_cb
         self.read_timeout = float(read_timeout)
         self.handler_timeout = float(handler_timeout)
+        #: extra routes that bound their own time (e.g. a replica pull) instead of ``handler_timeout``
+        self.long_paths = frozenset(long_paths)
         self._verifier = Verifier(secret, max_skew=max_skew) if secret else None
         self._extra = list(extra_routes or ())
         self._runner: web.AppRunner | None = None
@@ -330,7 +334,8 @@ class PeerServer:
             if refused is not None:
                 return refused
         try:
-            if request.method == "PUT" and request.match_info.route.resource is self._object:
+            if (request.method == "PUT" and request.match_info.route.resource is self._object) \
+                    or request.path in self.long_paths:
                 # an upload bounds its own reads (idle timeout per piece), not its total time
                 return await handler(request)
             return await asyncio.wait_for(handler(request), self.handler_timeout)
