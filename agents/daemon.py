@@ -363,7 +363,8 @@ class Agent:
         if nbytes < 0:
             raise RequestError("nbytes must be >= 0")
         conn.jobs.add(job)
-        deadline = time.monotonic() + (0 if self.settings.full_policy == "skip" else self.settings.slot_wait)
+        wait = self.settings.full_policy != "skip" and req.get("wait", True)
+        deadline = time.monotonic() + (self.settings.slot_wait if wait else 0)
         while True:
             slot = self._free_slot(job, rank)
             if slot is not None:
@@ -384,7 +385,8 @@ class Agent:
                 why = (f"no free staging slot for {job} rank {rank}: "
                        f"{'still draining: ' + '; '.join(busy) if busy else 'every slot holds a retained step'}"
                        f"; save skipped (raise keep_memory or drain faster)")
-                log.warning(why)
+                if wait:
+                    log.warning(why)
                 return {"skip": why, "errors": self._take_errors(job)}
             async with self._slot_cond:
                 with contextlib.suppress(asyncio.TimeoutError):

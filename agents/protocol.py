@@ -6,8 +6,9 @@ staging leases when its connection closes)::
 
     → {"op": "hello"}
     ← {"ok": true, "version": 1, "settings": {...}, "pid": 123, "embedded": false}
-    → {"op": "begin", "job": J, "rank": R, "world": W, "nbytes": N}
+    → {"op": "begin", "job": J, "rank": R, "world": W, "nbytes": N, "wait": true}
     ← {"ok": true, "slot": "/dev/shm/.../slot-0"}        or {"ok": true, "skip": "why"}
+      (with "wait": false the agent answers at once, skipping, when no slot is free)
     → {"op": "commit", "job": J, "step": S, "rank": R, "world": W, "slot": P,
        "nbytes": N, "entries": [...], "save_index": I, "metadata": {...}}
     ← {"ok": true, "errors": [...]}                      background errors of J, each once

@@ -12,8 +12,8 @@ import os
 import platform
 import statistics
 import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Callable, Iterable
 
 import torch
 import torch.nn.functional as F
@@ -124,7 +124,7 @@ def ratio(a: float | None, b: float | None) -> float | None:
 
 def markdown_table(headers: list[str], rows: list[list[str]]) -> str:
     widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(headers)]
-    line = lambda cells: "| " + " | ".join(c.ljust(w) for c, w in zip(cells, widths)) + " |"  # noqa: E731
+    line = lambda cells: "| " + " | ".join(c.ljust(w) for c, w in zip(cells, widths)) + " |"
     sep = "| " + " | ".join("-" * w for w in widths) + " |"
     return "\n".join([line(headers), sep] + [line(r) for r in rows])
 
@@ -219,7 +219,7 @@ def build_state(size_gib: float, layers: int = 12, ctx: int = 128, seed: int = 0
     """
     torch.manual_seed(seed)
     n = size_gib * GiB / 3 / 4  # float32 parameters
-    d = max(64, int(round(math.sqrt(2 * n / 3 / (12 * layers)) / 64)) * 64)
+    d = max(64, round(math.sqrt(2 * n / 3 / (12 * layers)) / 64) * 64)
     block_params = layers * (12 * d * d + 13 * d)
     vocab = max(256, int((n - block_params - ctx * d - 2 * d) / (2 * d)))
     model = GPT(vocab, d, layers, ctx)

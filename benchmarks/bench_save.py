@@ -58,9 +58,20 @@ from torch.distributed.checkpoint.state_dict import get_state_dict
 from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import (  # noqa: E402
-    GiB, OtherLoad, TrainState, build_state, calibrate, fmt, folder_bytes, machine_info, markdown_table,
-    median, proc_mem, ratio, settle_memory,
+from _common import (
+    GiB,
+    OtherLoad,
+    TrainState,
+    build_state,
+    calibrate,
+    fmt,
+    folder_bytes,
+    machine_info,
+    markdown_table,
+    median,
+    proc_mem,
+    ratio,
+    settle_memory,
 )
 
 _T0 = time.perf_counter()
@@ -456,7 +467,7 @@ def phase_interference(m: Method, ts: TrainState, runs: int, max_steps: int = 20
             "persisted_while_training": persisted_train}
 
 
-def run_method(cls, ts: TrainState, scratch: dict, runs: int, bound: "WarmCopy | None") -> dict:
+def run_method(cls, ts: TrainState, scratch: dict, runs: int, bound: WarmCopy | None) -> dict:
     """Both phases for one method; ``bound`` (kept warm all along) gets ``runs`` more copies first."""
     bound_extra = [phase_latency_bound(bound) for _ in range(runs)] if bound is not None else []
     m = cls(ts, scratch)
@@ -496,7 +507,7 @@ def run_method(cls, ts: TrainState, scratch: dict, runs: int, bound: "WarmCopy |
     return res
 
 
-def phase_latency_bound(bound: "WarmCopy") -> float:
+def phase_latency_bound(bound: WarmCopy) -> float:
     t0 = now()
     bound.save()
     return now() - t0
@@ -506,7 +517,7 @@ def dd_copy(src: str, dst: str, direct: bool) -> tuple[float, str]:
     """Seconds dd reports for copying ``src`` to ``dst`` with fsync (and O_DIRECT if ``direct``)."""
     args = ["dd", f"if={src}", f"of={dst}", "bs=16M", "conv=fsync"] + (["oflag=direct"] if direct else [])
     t0 = now()
-    p = subprocess.run(args, capture_output=True, text=True)
+    p = subprocess.run(args, capture_output=True, text=True, check=False)
     wall = now() - t0
     if p.returncode != 0:
         raise OSError(p.stderr.strip().splitlines()[-1] if p.stderr.strip() else f"dd exited {p.returncode}")
@@ -514,12 +525,12 @@ def dd_copy(src: str, dst: str, direct: bool) -> tuple[float, str]:
     return (float(m.group(1)) if m else wall), p.stderr.strip().splitlines()[-1]
 
 
-def drain_table(nbytes: int, tier_res: dict, scratch: dict, runs: int, ts: TrainState) -> dict:
+def drain_table(nbytes: int, scratch: dict, runs: int, ts: TrainState) -> dict:
+    """dd of the state's bytes from a /dev/shm file to /tmp, with and without O_DIRECT (seconds)."""
     src = os.path.join(scratch["shm"], "dd-src.bin")
     tensors = ts.tensors()
     with open(src, "wb") as f:
-        for t in tensors:
-            f.write(memoryview(t.detach().contiguous().reshape(-1).view(torch.uint8).numpy()))
+        f.writelines(memoryview(t.detach().contiguous().reshape(-1).view(torch.uint8).numpy()) for t in tensors)
     out: dict = {"bytes": nbytes}
     for name, direct in (("dd_direct", True), ("dd_buffered", False)):
         times = []
@@ -553,8 +564,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--runs", type=int, default=5, help="measured saves per method and phase (after warm-up)")
     p.add_argument("--out", help="write every measurement as JSON here")
     p.add_argument("--methods", default=",".join(c.key for c in METHODS),
-                   help="comma-separated subset of: " + ", ".join(c.key for c in METHODS)
-                   + " (bound always runs: it is the reference for the ratios)")
+                   help=(f"comma-separated subset of: {', '.join(c.key for c in METHODS)} "
+                         "(bound always runs: it is the reference for the ratios)"))
     p.add_argument("--step-s", type=float, default=0.5, help="target duration of one training step (s)")
     p.add_argument("--max-other-load", type=float, default=0.3,
                    help="a method measured while other processes kept more cores than this busy is measured again")
@@ -631,7 +642,7 @@ def _run(a, classes, scratch) -> int:
     info["plain_step_all_s"] = median(plain)
     if "tierckpt" in results["methods"]:
         log("drain: dd of the same bytes")
-        results["drain"] = drain_table(nbytes, results["methods"]["tierckpt"], scratch, 3, ts)
+        results["drain"] = drain_table(nbytes, scratch, 3, ts)
     results["total_s"] = now() - _T0
 
     if a.out:
@@ -646,16 +657,16 @@ def render(results: dict) -> str:
     ms = results["methods"]
     bound = ms["bound"]
     lines = [
-        f"machine: {info['cores']} cores (torch threads {info['torch_threads']}), {info['cpu']}, "
-        f"{info['ram_gib']} GiB RAM, /dev/shm {info['dev_shm_gib']} GiB, kernel {info['kernel']}",
+        (f"machine: {info['cores']} cores (torch threads {info['torch_threads']}), {info['cpu']}, "
+         f"{info['ram_gib']} GiB RAM, /dev/shm {info['dev_shm_gib']} GiB, kernel {info['kernel']}"),
         f"torch {info['torch']}, python {info['python']}",
-        f"state: {info['state_gib']:.3f} GiB in {info['tensors']} tensors (parameters {info['param_gib']:.3f} GiB, "
-        f"{info['params'] / 1e6:.1f} M; d_model {info['d_model']}, {info['layers']} blocks, vocab {info['vocab']}); "
-        f"training step: batch {info['batch'][0]}x{info['batch'][1]} tokens, plain step median "
-        f"{info['plain_step_all_s']:.3f} s over the run ({info['plain_step_s']:.3f} s at calibration)",
-        f"medians of {results['args']['runs']} saves per method and phase, after warm-up; x bound = ratio to the "
-        f"first row (its {len(bound['blocking'])} copies are spread over the whole run); persisted = durable on "
-        f"/tmp disk (fsync); other procs' CPU = cores busy outside this benchmark while a method ran",
+        (f"state: {info['state_gib']:.3f} GiB in {info['tensors']} tensors (parameters {info['param_gib']:.3f} GiB, "
+         f"{info['params'] / 1e6:.1f} M; d_model {info['d_model']}, {info['layers']} blocks, vocab {info['vocab']}); "
+         f"training step: batch {info['batch'][0]}x{info['batch'][1]} tokens, plain step median "
+         f"{info['plain_step_all_s']:.3f} s over the run ({info['plain_step_s']:.3f} s at calibration)"),
+        (f"medians of {results['args']['runs']} saves per method and phase, after warm-up; x bound = ratio to the "
+         f"first row (its {len(bound['blocking'])} copies are spread over the whole run); persisted = durable on "
+         f"/tmp disk (fsync); other procs' CPU = cores busy outside this benchmark while a method ran"),
         "",
     ]
     b_block, b_con = median(bound["blocking"]), median(bound["consistent"])
@@ -663,7 +674,7 @@ def render(results: dict) -> str:
                "stall s", "trainer private Δ GiB", "trainer shm-mapped Δ GiB", "/dev/shm held GiB",
                "other procs' CPU (cores)"]
     rows = []
-    for key, r in ms.items():
+    for r in ms.values():
         blk, con = median(r["blocking"]), median(r["consistent"])
         rows.append([
             r["label"], fmt(blk), fmt(ratio(blk, b_block), 2), fmt(con), fmt(ratio(con, b_con), 2),
@@ -674,7 +685,7 @@ def render(results: dict) -> str:
         ])
     lines.append(markdown_table(headers, rows))
     lines.append("")
-    for key, r in ms.items():
+    for r in ms.values():
         lines.append(f"- {r['label']}: {r['note']}")
     if "tierckpt" in ms and "agent_mem" in ms["tierckpt"]:
         am = ms["tierckpt"]["agent_mem"]

@@ -197,6 +197,8 @@ class Checkpointer:
         self._hooks: dict[int, Any] = {}
         self._lock = threading.Lock()
         self._closed = False
+        self._next_slot: tuple[str, int] | None = None
+        self._prelease_fut: cf.Future | None = None
         self.last_restore: RestoreReport | None = None
         self.skipped: list[tuple[int, str]] = []
 
@@ -277,13 +279,15 @@ class Checkpointer:
             self._raise_pending()
         flat = flatten_state(state)
         entries, copies, total = self._layout(flat)
-        resp = self._client.call("begin", job=self.job, rank=self.rank, world=self.world, nbytes=total)
-        self._collect(resp)
-        if resp.get("skip"):
-            log.warning("step %d not checkpointed: %s", step, resp["skip"])
-            self.skipped.append((step, resp["skip"]))
-            return None
-        slot = resp["slot"]
+        slot = self._take_prelease(total)
+        if slot is None:
+            resp = self._client.call("begin", job=self.job, rank=self.rank, world=self.world, nbytes=total)
+            self._collect(resp)
+            if resp.get("skip"):
+                log.warning("step %d not checkpointed: %s", step, resp["skip"])
+                self.skipped.append((step, resp["skip"]))
+                return None
+            slot = resp["slot"]
         fut = SaveFuture(step, _ck=self)
         try:
             buf = self._map(slot, total)
@@ -306,6 +310,7 @@ class Checkpointer:
                                       metadata=meta)
                 self._collect(r)
                 fut._staged.set_result(None)
+                self._prelease_fut = self._pool.submit(self._prelease, total)
             except BaseException as e:
                 with self._lock:
                     self._errors.append(f"step {step}: staging failed: {type(e).__name__}: {e}")
@@ -320,6 +325,34 @@ class Checkpointer:
         else:
             finish()
         return fut
+
+    def _prelease(self, nbytes: int) -> None:
+        """Lease the next save's slot now, off the training thread, so ``save`` skips the round trip."""
+        try:
+            # never wait for a slot here: a free one may only appear once a later save commits
+            r = self._client.call("begin", job=self.job, rank=self.rank, world=self.world, nbytes=nbytes,
+                                  wait=False)
+        except (AgentError, AgentUnreachableError) as e:
+            log.debug("could not lease the next slot ahead of time: %s", e)
+            return
+        self._collect(r)
+        if r.get("slot"):
+            with self._lock:
+                self._next_slot = (r["slot"], nbytes)
+
+    def _take_prelease(self, nbytes: int) -> str | None:
+        pending = self._prelease_fut
+        if pending is not None:
+            pending.result()  # quick: it never waits for a slot
+            self._prelease_fut = None
+        with self._lock:
+            nxt, self._next_slot = self._next_slot, None
+        if nxt is None:
+            return None
+        if nxt[1] == nbytes:
+            return nxt[0]
+        self._client.call("release", slot=nxt[0])  # the state changed size: lease one that fits
+        return None
 
     @staticmethod
     def _copy(buf: torch.Tensor | None, items: list[tuple[torch.Tensor, int, int]]) -> None:

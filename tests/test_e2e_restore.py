@@ -117,6 +117,11 @@ def test_fsdp2_two_ranks_torchrun_killed_and_resumed_bit_exact(tmp_path):
     try:
         common = ["--job", "fsdp", "--shm", shm, "--no-spawn", "--dump", str(tmp_path / "dump")]
         job = torchrun(str(tmp_path / "ev"), *common, "--hang-after", str(HANG), hang=True)
+        # kill -9 the whole job: the ranks (torchrun starts each in a session of its own) and torchrun
+        with open(f"/proc/{job.pid}/task/{job.pid}/children") as f:
+            ranks = [int(x) for x in f.read().split()]
+        for pid in ranks:
+            os.kill(pid, signal.SIGKILL)
         os.killpg(job.pid, signal.SIGKILL)
         job.wait(30)
         torchrun(str(tmp_path / "ev"), *common)

@@ -92,8 +92,10 @@ def main() -> int:
                 fut.wait_staged()
                 ck.wait()
                 print(f"STAGED {step}", flush=True)
-                while True:
-                    time.sleep(60)
+                parent = os.getppid()
+                while os.getppid() == parent:  # wait to be killed; never outlive the launcher
+                    time.sleep(0.2)
+                os._exit(1)
     if a.dump:
         def local(t):
             return t.to_local() if hasattr(t, "to_local") else t

@@ -60,7 +60,10 @@ class MemoryTier(FolderTier):
         """Size a slot to ``size`` bytes and fault its pages in now, not during a save."""
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
         try:
-            if os.fstat(fd).st_size != size:
+            st = os.fstat(fd)
+            if st.st_size == size and st.st_blocks * 512 >= size:
+                return  # already sized and backed: a reused slot costs nothing here
+            if st.st_size != size:
                 os.ftruncate(fd, size)
             if size:
                 try:
