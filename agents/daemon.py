@@ -26,6 +26,8 @@ import json
 import logging
 import os
 import signal
+import socket
+import struct
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -72,6 +74,9 @@ class _Pending:
 
 @dataclass(eq=False)
 class _Conn:
+    """One trainer connection; ``pid`` is its process (from the socket's credentials)."""
+
+    pid: int = 0
     leases: set[str] = field(default_factory=set)
     jobs: set[str] = field(default_factory=set)
 
@@ -116,6 +121,7 @@ class Agent:
         self.lower: list[Tier] = [t for t in (self.disk, self.s3) if t is not None]
         self._pending: dict[tuple[str, int], _Pending] = {}
         self._leases: set[str] = set()
+        self._lease_conn: dict[str, _Conn] = {}
         self._errors: dict[str, list[str]] = {}
         self._draining: dict[tuple[str, int], set[str]] = {}
         self._settled: dict[tuple[str, int], asyncio.Event] = {}
@@ -303,6 +309,12 @@ class Agent:
     # ------------------------------------------------------------------ requests
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         conn = _Conn()
+        sock = writer.get_extra_info("socket")
+        try:
+            cred = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+            conn.pid = struct.unpack("3i", cred)[0]
+        except (OSError, AttributeError):
+            conn.pid = id(conn)
         self._conns.add(conn)
         try:
             while True:
@@ -336,6 +348,7 @@ class Agent:
             self._conns.discard(conn)
             for slot in conn.leases:
                 self._leases.discard(slot)
+                self._lease_conn.pop(slot, None)
             if conn.leases:
                 async with self._slot_cond:
                     self._slot_cond.notify_all()
@@ -370,6 +383,7 @@ class Agent:
             if slot is not None:
                 self._leases.add(slot)
                 conn.leases.add(slot)
+                self._lease_conn[slot] = conn
                 try:
                     await asyncio.to_thread(self.memory.prepare_slot, slot, nbytes)
                 except BaseException:
@@ -405,8 +419,11 @@ class Agent:
 
     async def _op_release(self, conn: _Conn, req: dict) -> dict:
         slot = str(req["slot"])
-        conn.leases.discard(slot)
-        self._leases.discard(slot)
+        owner = self._lease_conn.get(slot)
+        if owner is not None and owner.pid == conn.pid:
+            owner.leases.discard(slot)
+            self._leases.discard(slot)
+            self._lease_conn.pop(slot, None)
         async with self._slot_cond:
             self._slot_cond.notify_all()
         return {}
@@ -420,8 +437,9 @@ class Agent:
         slot = str(req["slot"])
         if not 0 <= rank < world:
             raise RequestError(f"rank {rank} is outside world {world}")
-        if slot not in conn.leases:
-            raise RequestError(f"slot {slot} is not leased to this connection (call begin first)")
+        owner = self._lease_conn.get(slot)
+        if owner is None or owner.pid != conn.pid:
+            raise RequestError(f"slot {slot} is not leased to this trainer (call begin first)")
         if os.path.getsize(slot) != nbytes:
             raise RequestError(f"slot holds {os.path.getsize(slot)} bytes, commit says {nbytes}")
         entries = req.get("entries", [])
@@ -440,8 +458,9 @@ class Agent:
         if rank in pend.sizes:
             raise RequestError(f"rank {rank} already committed step {step} of {job}")
         await asyncio.to_thread(self.memory.adopt, keys.shard_key(job, step, rank), slot)
-        conn.leases.discard(slot)
+        owner.leases.discard(slot)
         self._leases.discard(slot)
+        self._lease_conn.pop(slot, None)
         pend.sizes[rank] = nbytes
         pend.entries[rank] = entries
         pend.nodes[rank] = self.me

@@ -191,6 +191,8 @@ class Checkpointer:
                 log.warning("the running agent uses %s=%r, not %r: its setting wins", name, theirs, mine)
         self.settings = agent_settings
         self._pool = cf.ThreadPoolExecutor(1, thread_name_prefix="tierckpt-stage")
+        self._copiers = [cf.ThreadPoolExecutor(1, thread_name_prefix=f"tierckpt-copy{i}")
+                         for i in range(max(1, min(4, torch.get_num_threads())))]
         self._maps: dict[str, tuple[int, mmap.mmap, torch.Tensor | None]] = {}
         self._inflight: SaveFuture | None = None
         self._errors: list[str] = []
@@ -199,6 +201,8 @@ class Checkpointer:
         self._closed = False
         self._next_slot: tuple[str, int] | None = None
         self._prelease_fut: cf.Future | None = None
+        self._leaser = cf.ThreadPoolExecutor(1, thread_name_prefix="tierckpt-lease")
+        self._lease_client: AgentClient | None = None
         self.last_restore: RestoreReport | None = None
         self.skipped: list[tuple[int, str]] = []
 
@@ -303,14 +307,14 @@ class Checkpointer:
 
         def finish() -> None:
             try:
-                self._copy(buf, later)
+                self._copy_parallel(buf, later)
                 fut.staged_at = time.perf_counter()
                 r = self._client.call("commit", job=self.job, step=step, rank=self.rank, world=self.world,
                                       slot=slot, nbytes=total, entries=entries, save_index=step // self.every,
                                       metadata=meta)
                 self._collect(r)
                 fut._staged.set_result(None)
-                self._prelease_fut = self._pool.submit(self._prelease, total)
+                self._prelease_fut = self._leaser.submit(self._prelease, total)
             except BaseException as e:
                 with self._lock:
                     self._errors.append(f"step {step}: staging failed: {type(e).__name__}: {e}")
@@ -329,9 +333,10 @@ class Checkpointer:
     def _prelease(self, nbytes: int) -> None:
         """Lease the next save's slot now, off the training thread, so ``save`` skips the round trip."""
         try:
-            # never wait for a slot here: a free one may only appear once a later save commits
-            r = self._client.call("begin", job=self.job, rank=self.rank, world=self.world, nbytes=nbytes,
-                                  wait=False)
+            # a connection of its own: waiting here for a slot to free up never holds up a commit
+            if self._lease_client is None:
+                self._lease_client = AgentClient(self.settings.socket_path)
+            r = self._lease_client.call("begin", job=self.job, rank=self.rank, world=self.world, nbytes=nbytes)
         except (AgentError, AgentUnreachableError) as e:
             log.debug("could not lease the next slot ahead of time: %s", e)
             return
@@ -351,8 +356,25 @@ class Checkpointer:
             return None
         if nxt[1] == nbytes:
             return nxt[0]
-        self._client.call("release", slot=nxt[0])  # the state changed size: lease one that fits
+        self._client.call("release", slot=nxt[0])  # the state changed size: lease one that fits (same process)
         return None
+
+    def _copy_parallel(self, buf: torch.Tensor | None, items: list[tuple[torch.Tensor, int, int]]) -> None:
+        """Copy from several threads, split by bytes: one background thread copies ~25% slower than
+        the main thread does (measured), while two reach main-thread speed."""
+        n = len(self._copiers)
+        if n <= 1 or len(items) < 2:
+            self._copy(buf, items)
+            return
+        parts: list[list] = [[] for _ in range(n)]
+        loads = [0] * n
+        for item in sorted(items, key=lambda it: -it[2]):
+            i = loads.index(min(loads))
+            parts[i].append(item)
+            loads[i] += item[2]
+        futs = [pool.submit(self._copy, buf, part) for pool, part in zip(self._copiers, parts)]
+        for f in futs:
+            f.result()
 
     @staticmethod
     def _copy(buf: torch.Tensor | None, items: list[tuple[torch.Tensor, int, int]]) -> None:
@@ -410,6 +432,11 @@ class Checkpointer:
                 h.remove()
             self._hooks.clear()
             self._pool.shutdown(wait=True)
+            for c in self._copiers:
+                c.shutdown(wait=True)
+            self._leaser.shutdown(wait=True)
+            if self._lease_client is not None:
+                self._lease_client.close()
             if self._started_agent and self.world == 1:
                 try:
                     self._client.call("shutdown")
