@@ -144,6 +144,8 @@ class Agent:
         self._tasks: list[asyncio.Task] = []
         self._heal_now: asyncio.Event | None = None
         self._pushing: set[tuple[int, str]] = set()
+        #: pulled copies waiting for the primary's checksum: token -> (key, temp file, checksum, since)
+        self._unpublished: dict[str, tuple[str, str, str, float]] = {}
         if settings.peers:
             self._setup_peers()
 
@@ -173,7 +175,8 @@ class Agent:
         self._bucket = bucket
         self.peer_server = PeerServer(
             self.memory, host=mine.host, port=mine.port, secret=self._secret, node=self.me, ssl_context=server_ssl,
-            extra_routes=[("POST", "/v1/commit", self._http_commit), ("POST", "/v1/fetch", self._http_fetch)],
+            extra_routes=[("POST", "/v1/commit", self._http_commit), ("POST", "/v1/fetch", self._http_fetch),
+                          ("POST", "/v1/publish", self._http_publish)],
             metrics_cb=self._metrics, long_paths=("/v1/fetch",),
         )
 
@@ -476,16 +479,18 @@ class Agent:
     async def _share(self, job: str, step: int, rank: int, world: int, nbytes: int, entries: list,
                      pend: _Pending) -> None:
         """Tell every live peer about a local shard (for its manifest), and copy it to its placement targets."""
+        key = keys.shard_key(job, step, rank)
+        path = self.memory.path(key)
+        copies = [asyncio.ensure_future(self._push(r, key, path, nbytes, pend.checksums[rank]))
+                  for r in self.members.targets(self.me)]
         try:
             checksum = await pend.checksums[rank]
         except Exception:
+            await asyncio.gather(*copies, return_exceptions=True)
             return
         record = {"job": job, "step": step, "rank": rank, "world": world, "nbytes": nbytes, "entries": entries,
                   "checksum": checksum, "save_index": pend.save_index, "metadata": pend.metadata, "node": self.me}
         alive = self.members.alive() - {self.me}
-        targets = self.members.targets(self.me)
-        key = keys.shard_key(job, step, rank)
-        path = self.memory.path(key)
 
         async def tell(r: int) -> None:
             try:
@@ -495,12 +500,10 @@ class Agent:
             except ConnectionError as e:
                 self._peer_error(r, e)
 
-        async def copy(r: int) -> None:
-            await self._push(r, key, path, nbytes, checksum)
+        await asyncio.gather(*(tell(r) for r in sorted(alive)), *copies)
 
-        await asyncio.gather(*(tell(r) for r in sorted(alive)), *(copy(r) for r in targets))
-
-    async def _push(self, r: int, key: str, src: str | bytes, nbytes: int, checksum: str | None = None) -> bool:
+    async def _push(self, r: int, key: str, src: str | bytes, nbytes: int,
+                    checksum: "str | asyncio.Future | None" = None) -> bool:
         """Get ``key`` onto node ``r``: a shard is pulled by ``r`` from this node (GET with sendfile,
         read straight into its memory folder — the fast direction of HTTP), a small object is PUT."""
         if (r, key) in self._pushing:
@@ -512,14 +515,34 @@ class Agent:
         t0 = time.perf_counter()
         try:
             if isinstance(src, str) and keys.parse_key(key) and not key.endswith(keys.MANIFEST_NAME):
-                if checksum is None:
-                    checksum = await asyncio.to_thread(checksum_file, src, nbytes)
+                addr = self.members.nodes[r].addr
                 # a pull of a large shard may take a while: allow for a slow 50 MB/s link
                 timeout = self.settings.peer_timeout + nbytes / 50e6
-                await asyncio.to_thread(post_json, self.members.nodes[r].addr, "/v1/fetch",
-                                        {"key": key, "size": nbytes, "checksum": checksum, "from": self.me},
-                                        secret=self._secret, node=self.me, timeout=timeout,
-                                        ssl_context=self._client_ssl)
+
+                def call(path: str, body: dict, t: float = self.settings.peer_timeout) -> dict:
+                    return post_json(addr, path, body, secret=self._secret, node=self.me, timeout=t,
+                                     ssl_context=self._client_ssl)
+
+                if isinstance(checksum, str):
+                    await asyncio.to_thread(call, "/v1/fetch", {"key": key, "size": nbytes, "checksum": checksum,
+                                                                "from": self.me}, timeout)
+                else:
+                    # the peer pulls while this node's checksum is still being computed; the copy is
+                    # published only once the two checksums are known to agree
+                    pull = asyncio.ensure_future(asyncio.to_thread(
+                        call, "/v1/fetch", {"key": key, "size": nbytes, "from": self.me}, timeout))
+                    if checksum is None:
+                        checksum = asyncio.ensure_future(asyncio.to_thread(checksum_file, src, nbytes))
+                    expected = await checksum
+                    got = await pull
+                    match = got.get("checksum") == expected
+                    await asyncio.to_thread(call, "/v1/publish", {"token": got.get("token", ""),
+                                                                  "checksum": expected, "publish": match})
+                    if not match:
+                        from tiers.errors import ChecksumMismatchError
+
+                        raise ChecksumMismatchError(f"{key} reached node {r} with checksum {got.get('checksum')}, "
+                                                    f"the primary has {expected}: copy dropped")
             else:
                 await asyncio.to_thread(self.peer_tiers[r].put, key, src)
             st.sent_bytes += nbytes
@@ -585,25 +608,57 @@ class Agent:
             req = await request.json()
             key = str(req["key"])
             info = keys.parse_key(key)
-            size, src, checksum = int(req["size"]), int(req["from"]), str(req["checksum"])
-            if info is None or info.is_manifest or size < 0 or src not in self.peer_tiers:
-                raise ValueError("key, size or source node out of range")
+            size, src = int(req["size"]), int(req["from"])
+            checksum = req.get("checksum")
+            if info is None or info.is_manifest or size < 0 or src not in self.peer_tiers \
+                    or not (checksum is None or isinstance(checksum, str)):
+                raise ValueError("key, size, checksum or source node out of range")
         except (ValueError, KeyError, TypeError) as e:
             return web.Response(status=400, text=f"bad fetch request: {e}\n")
         held = await self._budget.acquire(size)
         t0 = time.perf_counter()
         try:
-            await asyncio.to_thread(self._pull, src, key, size, checksum)
+            got, tmp = await asyncio.to_thread(self._pull, src, key, size, checksum)
             log.info("%s pulled from node %d: %d bytes in %.3f s", key, src, size, time.perf_counter() - t0)
         except (TierError, OSError) as e:
             return web.Response(status=502, text=f"pull of {key} from node {src} failed: {e}\n")
         finally:
             await self._budget.release(held)
-        return web.json_response({"ok": True})
+        token = ""
+        if tmp:
+            token = os.path.basename(tmp)
+            self._unpublished[token] = (key, tmp, got, time.monotonic())
+        return web.json_response({"checksum": got, "token": token})
 
-    def _pull(self, src: int, key: str, size: int, checksum: str) -> None:
-        """Read ``key`` from node ``src`` straight into a new file of the memory folder; verify; publish."""
-        from tiers.errors import ChecksumMismatchError
+    async def _http_publish(self, request):
+        """Second half of a pull without a checksum: publish the copy if the primary's checksum matches."""
+        from aiohttp import web
+
+        try:
+            req = await request.json()
+            token, checksum, keep = str(req["token"]), str(req["checksum"]), bool(req.get("publish", True))
+        except (ValueError, KeyError, TypeError) as e:
+            return web.Response(status=400, text=f"bad publish request: {e}\n")
+        entry = self._unpublished.pop(token, None)
+        if entry is None:
+            return web.Response(status=404, text="no such pulled copy (expired or already published)\n")
+        key, tmp, got, _ = entry
+        if not keep or got != checksum:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+            if keep:
+                return web.Response(status=422, text=f"{key}: received {got}, primary has {checksum}\n")
+            return web.json_response({"dropped": True})
+        await asyncio.to_thread(os.rename, tmp, self.memory.path(key))
+        return web.json_response({"published": True})
+
+    def _pull(self, src: int, key: str, size: int, checksum: str | None) -> tuple[str, str]:
+        """Read ``key`` from node ``src`` straight into a new file of the memory folder and checksum it.
+
+        With ``checksum`` the copy is verified and published at once; without, it stays a temp file
+        until :meth:`_publish` is told the checksum the primary computed meanwhile. Returns
+        ``(checksum of the bytes received, temp file or "")``.
+        """
         from tiers.checksum import checksum_bytes
 
         import mmap
@@ -643,9 +698,14 @@ class Agent:
                     got = checksum_bytes(b"")
             finally:
                 os.close(fd)
+            if checksum is None:
+                return got, tmp
             if got != checksum:
+                from tiers.errors import ChecksumMismatchError
+
                 raise ChecksumMismatchError(f"{key} pulled from node {src} has checksum {got}, expected {checksum}")
             os.rename(tmp, path)
+            return got, ""
         except BaseException:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(tmp)
@@ -692,6 +752,12 @@ class Agent:
 
     async def _heal_once(self) -> int:
         """One round: push every missing copy this node is responsible for; return the copies made."""
+        now = time.monotonic()
+        for token, (_, tmp, _, since) in list(self._unpublished.items()):
+            if now - since > 600:  # the primary never came back to publish it
+                self._unpublished.pop(token, None)
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(tmp)
         alive = self.members.alive()
         inv = await asyncio.to_thread(scan_tier, self.memory, None, with_sizes=True)
         held: dict[int, set[str]] = {self.me: set()}

@@ -161,3 +161,24 @@ def test_copies_go_where_placement_says_honouring_failure_domains(cluster, place
     for i in range(4):
         c.wait_for(lambda i=i: os.path.exists(os.path.join(c.shm(i), keys.manifest_key("pl", 2))),
                    f"the manifest on node {i}")
+
+
+def test_replication_bandwidth_cap_holds_over_a_multi_second_transfer(tmp_path):
+    cap = 20_000_000  # bytes/s
+    c = Cluster(tmp_path, 2)
+    try:
+        c.close()
+        c.args += ["--peer-bandwidth", str(cap)]
+        for i in range(2):
+            c.start(i)
+        size = 60_000_000 // (1 << 20) << 20  # 57 MiB: about 3 s at the cap
+        t0 = time.monotonic()
+        _stage_raw(c.shm(0), "bw", 1, size)
+        c.wait_for(lambda: os.path.exists(os.path.join(c.shm(1), "bw", "step-1", "rank-0.shard")),
+                   "the capped replica", timeout=60)
+        took = time.monotonic() - t0
+        # the cap must hold (never faster than 10% over it) and be the only thing slowing the copy
+        assert size / took <= cap * 1.10, f"{size / took / 1e6:.1f} MB/s with a {cap / 1e6:.0f} MB/s cap"
+        assert size / took >= cap * 0.75, f"{size / took / 1e6:.1f} MB/s: far below the cap"
+    finally:
+        c.close()
