@@ -313,8 +313,9 @@ class Checkpointer:
                                       slot=slot, nbytes=total, entries=entries, save_index=step // self.every,
                                       metadata=meta)
                 self._collect(r)
-                fut._staged.set_result(None)
+                # queued before the save is reported staged, so the next save always sees (and waits for) it
                 self._prelease_fut = self._leaser.submit(self._prelease, total)
+                fut._staged.set_result(None)
             except BaseException as e:
                 with self._lock:
                     self._errors.append(f"step {step}: staging failed: {type(e).__name__}: {e}")

@@ -173,3 +173,21 @@ def test_background_failure_is_raised_once_at_next_save_and_memory_keeps_working
     finally:
         loop.call_soon_threadsafe(agent._stop.set)
         t.join(30)
+
+
+def test_back_to_back_saves_never_deadlock_on_the_next_slot_lease(tmp_path, monkeypatch):
+    """With a ring of two slots, saves that follow each other at once always get a slot, never skip."""
+    monkeypatch.setenv("CKPT_SLOT_WAIT", "3")
+    state = _state(5)
+    model, optim = state["model"], state["optim"]
+    with ckpt.Checkpointer("b2b", shm=str(tmp_path / "shm"), keep_memory=1) as ck:
+        for step in range(12):
+            if step % 2:
+                model(torch.randn(4, 8)).sum().backward()
+                optim.step()
+            fut = ck.save(step, state)  # on even steps right after the previous save was staged
+            assert fut is not None, ck.skipped
+            fut.wait_staged()
+        ck.wait()
+        assert ck.skipped == []
+        assert ck.latest_step() == 11
