@@ -23,20 +23,44 @@ import torch
 import ckpt
 
 
-def build(fsdp: bool, width: int):
+class TinyGPT(torch.nn.Module):
+    """A small GPT-style model: token + position embeddings, causal transformer blocks, a head."""
+
+    def __init__(self, vocab: int = 64, dim: int = 32, layers: int = 2, ctx: int = 16) -> None:
+        super().__init__()
+        self.tok = torch.nn.Embedding(vocab, dim)
+        self.pos = torch.nn.Embedding(ctx, dim)
+        self.blocks = torch.nn.ModuleList(
+            torch.nn.TransformerEncoderLayer(dim, 4, 2 * dim, dropout=0.0, batch_first=True, norm_first=True)
+            for _ in range(layers))
+        self.head = torch.nn.Linear(dim, vocab)
+
+    def forward(self, x):
+        h = self.tok(x) + self.pos(torch.arange(x.shape[1]))
+        mask = torch.nn.Transformer.generate_square_subsequent_mask(x.shape[1])
+        for b in self.blocks:
+            h = b(h, src_mask=mask, is_causal=True)
+        return self.head(h)
+
+
+def build(fsdp: bool, width: int, gpt: bool = False):
     torch.manual_seed(1234)
-    model = torch.nn.Sequential(
-        torch.nn.Linear(32, width), torch.nn.LayerNorm(width), torch.nn.GELU(),
-        torch.nn.Linear(width, width), torch.nn.GELU(), torch.nn.Linear(width, 8),
-    )
+    if gpt:
+        model = TinyGPT()
+        shard_units = list(model.blocks)
+    else:
+        model = torch.nn.Sequential(
+            torch.nn.Linear(32, width), torch.nn.LayerNorm(width), torch.nn.GELU(),
+            torch.nn.Linear(width, width), torch.nn.GELU(), torch.nn.Linear(width, 8),
+        )
+        shard_units = [m for m in model if isinstance(m, torch.nn.Linear)]
     if fsdp:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
         mesh = init_device_mesh("cpu", (torch.distributed.get_world_size(),))
-        for layer in model:
-            if isinstance(layer, torch.nn.Linear):
-                fully_shard(layer, mesh=mesh)
+        for unit in shard_units:
+            fully_shard(unit, mesh=mesh)
         fully_shard(model, mesh=mesh)
     optim = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
     return model, optim
@@ -59,6 +83,9 @@ def main() -> int:
     p.add_argument("--no-spawn", action="store_true", help="use the running agent; never start one")
     p.add_argument("--out")
     p.add_argument("--dump", help="at the end, torch.save this rank's parameters and optimizer state here")
+    p.add_argument("--gpt", action="store_true", help="train TinyGPT on token batches")
+    p.add_argument("--kill-rank", type=int, default=-1, help="with --kill-at: this rank kill -9s itself ...")
+    p.add_argument("--kill-at", type=int, default=-1, help="... after this step is saved, in the first attempt only")
     a = p.parse_args()
     if a.fsdp:
         torch.distributed.init_process_group("gloo")
@@ -69,7 +96,7 @@ def main() -> int:
         out.write(json.dumps(kw) + "\n")
         out.flush()
 
-    model, optim = build(a.fsdp, a.width)
+    model, optim = build(a.fsdp, a.width, a.gpt)
     state = {"model": model, "optim": optim, "progress": {"step": -1}}
     with ckpt.Checkpointer(a.job, shm=a.shm, disk=a.disk, s3=a.s3, s3_endpoint=a.s3_endpoint, every=a.every,
                            disk_every=a.disk_every, s3_every=a.s3_every, spawn=not a.no_spawn) as ck:
@@ -78,16 +105,25 @@ def main() -> int:
             assert state["progress"]["step"] == last, (state["progress"], last)
             emit(restored=last, tiers=ck.last_restore.tiers)
         for step in range(0 if last is None else last + 1, a.steps):
-            g = torch.Generator().manual_seed(step)
-            x = torch.randn(16, 32, generator=g)
-            y = torch.randn(16, 8, generator=g)
-            loss = torch.nn.functional.mse_loss(model(x), y)
+            g = torch.Generator().manual_seed(step * 1000 + rank)
+            if a.gpt:
+                tokens = torch.randint(0, 64, (4, 17), generator=g)
+                logits = model(tokens[:, :-1])
+                loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
+            else:
+                x = torch.randn(16, 32, generator=g)
+                y = torch.randn(16, 8, generator=g)
+                loss = torch.nn.functional.mse_loss(model(x), y)
             loss.backward()
             optim.step()
             optim.zero_grad(set_to_none=True)
             emit(step=step, loss=float(loss.item()).hex())
             state["progress"]["step"] = step
             fut = ck.save(step, state)
+            if step == a.kill_at and rank == a.kill_rank and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
+                fut.wait_staged()
+                ck.wait()
+                os.kill(os.getpid(), 9)
             if step == a.hang_after:
                 fut.wait_staged()
                 ck.wait()
