@@ -142,3 +142,4 @@ def test_two_nodes_resume_bit_exact_from_fastest_surviving_tier(tmp_path, s3_buc
         after = events[events.index(restored[0]) + 1:]
         assert [e["step"] for e in after] == list(range(step + 1, STEPS))
         assert {e["step"]: e["loss"] for e in after} == {s: reference[rank][s] for s in range(step + 1, STEPS)}
+
