@@ -121,8 +121,7 @@ def test_s3_down_for_good_raises_clear_error_while_memory_and_disk_keep_working(
     _, bucket = s3_bucket
     shm, disk = str(tmp_path / "shm"), str(tmp_path / "disk")
     agent = start_agent(shm, "--disk", disk, "--s3", f"s3://{bucket}/p", "--s3-endpoint", s3_proxy.url,
-                        "--s3-every", "2")
-    os.environ["CKPT_S3_RETRY_DEADLINE"] = "3"
+                        "--s3-every", "2", extra_env={"CKPT_S3_RETRY_DEADLINE": "3"})
     try:
         state = _model_state()
         ck = ckpt.Checkpointer("down", shm=shm, spawn=False)
@@ -138,7 +137,6 @@ def test_s3_down_for_good_raises_clear_error_while_memory_and_disk_keep_working(
         for tier in (MemoryTier(shm), DiskTier(disk)):
             assert scan_tier(tier, "down").complete_steps("down") == [0, 1]
     finally:
-        os.environ.pop("CKPT_S3_RETRY_DEADLINE", None)
         agent.terminate()
         agent.wait(60)
 
