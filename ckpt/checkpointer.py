@@ -514,15 +514,43 @@ class Checkpointer:
             return None
         plan = plan_restore(invs, self.job, agreed, [self.rank])
         if plan.manifest.world != self.world:
-            raise StateMismatchError(
-                f"step {agreed} of {self.job!r} was saved by {plan.manifest.world} ranks, this job has "
-                f"{self.world}: restoring across world sizes is not supported yet; restart with "
-                f"{plan.manifest.world} ranks or export it with `ckpt restore --format dcp`")
-        report = self._load(plan, state)
-        self.last_restore = RestoreReport(agreed, [report], time.perf_counter() - t0)
-        log.info("rank %d restored %s step %d from %s in %.3f s", self.rank, self.job, agreed, report.tier,
-                 self.last_restore.seconds)
+            reports = self._load_resharded(plan_restore(invs, self.job, agreed), state)
+        else:
+            reports = [self._load(plan, state)]
+        self.last_restore = RestoreReport(agreed, reports, time.perf_counter() - t0)
+        log.info("rank %d restored %s step %d from %s in %.3f s", self.rank, self.job, agreed,
+                 ", ".join(sorted({r.tier for r in reports})) or "nowhere", self.last_restore.seconds)
         return agreed
+
+    def _load_resharded(self, plan: RestorePlan, state: dict) -> list[ShardReport]:
+        """Restore a step saved by another number of ranks: DCP reshards the tensors through
+        :class:`ckpt._reader.PlanReader`; JSON values come from the same rank's shard (rank 0's if the
+        checkpoint had fewer ranks)."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+
+        from ._reader import PlanReader
+
+        flat = flatten_state(state, for_restore=True)
+        tensors = {leaf.name: leaf.tensor for leaf in flat.leaves if leaf.tensor is not None}
+        saved = {e.name for sh in plan.manifest.shards for e in sh.entries if isinstance(e, TensorChunk)}
+        missing = sorted(set(tensors) - saved)
+        if missing:
+            raise StateMismatchError(f"step {plan.step} of {plan.job!r} has no {', '.join(missing[:5])}: the "
+                                     "state does not match the checkpoint")
+        reader = PlanReader(plan, verify=self.verify)
+        with torch.no_grad():
+            dcp.load(tensors, storage_reader=reader, planner=DefaultLoadPlanner(allow_partial_load=True))
+        src_rank = self.rank if self.rank < plan.manifest.world else 0
+        values = {e.name: e for e in plan.manifest.shard(src_rank).entries if isinstance(e, JsonEntry)}
+        for leaf in flat.leaves:
+            if leaf.tensor is None:
+                if leaf.name not in values:
+                    raise StateMismatchError(f"step {plan.step} of {plan.job!r} has no value {leaf.name}")
+                self._fill(leaf, values[leaf.name], None)
+        for apply in flat.appliers:
+            apply()
+        return reader.reports
 
     def _load(self, plan: RestorePlan, state: dict) -> ShardReport:
         info = plan.manifest.shard(self.rank)

@@ -136,3 +136,25 @@ def test_fsdp2_two_ranks_torchrun_killed_and_resumed_bit_exact(tmp_path):
         assert got == {s: ref_losses[s] for s in range(HANG + 1, STEPS)}
         assert_same_state(torch.load(f"{tmp_path / 'dump'}.{rank}", weights_only=True),
                           torch.load(f"{ref}-dump.{rank}", weights_only=True))
+
+
+@pytest.mark.parametrize("saved,restored", [(4, 2), (2, 4)])
+def test_restart_with_another_world_size_reshards_through_dcp_exactly(tmp_path, saved, restored):
+    """Saved by ``saved`` FSDP2 ranks, restored by ``restored``: every parameter and optimizer tensor equal."""
+    shm = str(tmp_path / "shm")
+
+    def torchrun(n: int, dump: str) -> None:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(n),
+               TRAINER, "--fsdp", "--gpt", "--steps", "4", "--job", "resh", "--shm", shm,
+               "--out", str(tmp_path / f"ev{n}"), "--dump", dump, "--full"]
+        p = subprocess.run(cmd, capture_output=True, text=True, env=env(), timeout=300)
+        assert p.returncode == 0, p.stderr[-3000:]
+
+    torchrun(saved, str(tmp_path / "before"))
+    torchrun(restored, str(tmp_path / "after"))
+    for rank in range(restored):
+        ev = read_events(f"{tmp_path / f'ev{restored}'}.{rank}")
+        assert [e["restored"] for e in ev if "restored" in e] == [3]
+        assert not [e for e in ev if "step" in e]  # nothing left to train: the state is exactly the saved one
+        assert_same_state(torch.load(f"{tmp_path / 'after'}.{rank}", weights_only=True),
+                          torch.load(f"{tmp_path / 'before'}.0", weights_only=True))

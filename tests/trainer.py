@@ -84,6 +84,7 @@ def main() -> int:
     p.add_argument("--out")
     p.add_argument("--dump", help="at the end, torch.save this rank's parameters and optimizer state here")
     p.add_argument("--gpt", action="store_true", help="train TinyGPT on token batches")
+    p.add_argument("--full", action="store_true", help="--dump whole tensors (gathered), not this rank's shards")
     p.add_argument("--kill-rank", type=int, default=-1, help="with --kill-at: this rank kill -9s itself ...")
     p.add_argument("--kill-at", type=int, default=-1, help="... after this step is saved, in the first attempt only")
     a = p.parse_args()
@@ -134,6 +135,8 @@ def main() -> int:
                 os._exit(1)
     if a.dump:
         def local(t):
+            if a.full and hasattr(t, "full_tensor"):
+                return t.full_tensor()  # the whole tensor, comparable across world sizes
             return t.to_local() if hasattr(t, "to_local") else t
 
         params = {n: local(p.detach()).clone() for n, p in model.named_parameters()}
