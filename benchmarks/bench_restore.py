@@ -1,0 +1,176 @@
+"""Restore time per tier for a ~1 GiB state, against a memory copy, raw loopback TCP and DCP load.
+
+    python benchmarks/bench_restore.py [--size-gib 1.0] [--runs 5]
+
+One checkpoint of a GPT-like model + AdamW state is saved through a node agent that has a peer, a disk
+folder and an S3 endpoint (moto's server on 127.0.0.1). Then the same step is restored into a fresh
+state from each tier alone (read, checksum-verify, copy into the tensors, load the state dicts) and
+timed, median of ``--runs``. Baselines from the same run: a copy of the same tensors between two warm
+buffers (the bound for a memory restore), a raw socket ``sendfile`` → ``recv_into`` of the same bytes
+between two processes (the bound for a peer restore), and ``dcp.load`` from a local folder.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.dirname(HERE))
+
+import torch  # noqa: E402
+
+from _common import build_state  # noqa: E402
+from bench_replication import free_port, raw_socket, start_agent  # noqa: E402
+
+
+def drop_caches() -> bool:
+    try:
+        os.sync()
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3\n")
+        return True
+    except OSError:
+        return False
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--size-gib", type=float, default=1.0)
+    ap.add_argument("--runs", type=int, default=5)
+    a = ap.parse_args()
+    import boto3
+
+    import ckpt
+    from recovery import plan_restore, scan_tiers
+    from tiers import DiskTier, MemoryTier
+    from tiers.peer import PeerTier
+    from tiers.s3 import S3Tier
+
+    work = tempfile.mkdtemp(prefix="bench-restore-", dir="/dev/shm")
+    disk = tempfile.mkdtemp(prefix="bench-restore-disk-")
+    procs: list[subprocess.Popen] = []
+    for k, v in {"AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench", "AWS_DEFAULT_REGION": "us-east-1"}.items():
+        os.environ.setdefault(k, v)
+    try:
+        port = free_port()
+        procs.append(subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        endpoint = f"http://127.0.0.1:{port}"
+        s3c = boto3.client("s3", endpoint_url=endpoint)
+        for _ in range(300):
+            try:
+                s3c.create_bucket(Bucket="bench")
+                break
+            except Exception:
+                time.sleep(0.05)
+        ports = [free_port(), free_port()]
+        peers = os.path.join(work, "peers.txt")
+        with open(peers, "w") as f:
+            f.write("".join(f"127.0.0.1:{p}\n" for p in ports))
+        secret = os.path.join(work, "secret")
+        fd = os.open(secret, os.O_WRONLY | os.O_CREAT, 0o600)
+        os.write(fd, os.urandom(32))
+        os.close(fd)
+        shms = [os.path.join(work, f"node{i}", "shm") for i in range(2)]
+        os.environ["CKPT_DISK"], os.environ["CKPT_S3"], os.environ["CKPT_S3_ENDPOINT"] = disk, "s3://bench/c", endpoint
+        procs += [start_agent(shms[i], peers, i, secret) for i in range(2)]
+        for k in ("CKPT_DISK", "CKPT_S3", "CKPT_S3_ENDPOINT"):
+            os.environ.pop(k)
+
+        ts = build_state(a.size_gib)
+        state = {"model": ts.model, "optim": ts.optim}
+        with ckpt.Checkpointer("bench", shm=shms[0], spawn=False) as ck:
+            ck.save(0, state).wait()
+        time.sleep(1.0)
+        target_ts = build_state(a.size_gib, seed=1)
+        target = {"model": target_ts.model, "optim": target_ts.optim}
+        tensors = ts.tensors()
+        nbytes = sum(t.numel() * t.element_size() for t in tensors)
+
+        # bound for a memory restore: the same tensors copied between two warm buffers
+        dst = [torch.empty_like(t) for t in tensors]
+        copies = []
+        for _ in range(a.runs + 1):
+            t0 = time.perf_counter()
+            for d, s in zip(dst, tensors):
+                d.copy_(s)
+            copies.append(time.perf_counter() - t0)
+        del dst
+        src = os.path.join(work, "raw.bin")
+        with open(src, "wb") as f:
+            f.write(os.urandom(1 << 20) * (nbytes >> 20))
+        raw = raw_socket(src, (nbytes >> 20) << 20, a.runs)
+        raw_gbps = ((nbytes >> 20) << 20) / statistics.median(raw) / 1e9
+        os.unlink(src)
+
+        import torch.distributed.checkpoint as dcp
+
+        dcp_dir = os.path.join(disk, "dcp")
+        sd = {"model": ts.model.state_dict(), "optim": ts.optim.state_dict()}
+        dcp.save(sd, storage_writer=dcp.FileSystemWriter(dcp_dir), no_dist=True)
+        dcp_times = []
+        for _ in range(a.runs + 1):
+            tgt = {"model": target_ts.model.state_dict(), "optim": target_ts.optim.state_dict()}
+            t0 = time.perf_counter()
+            dcp.load(tgt, storage_reader=dcp.FileSystemReader(dcp_dir), no_dist=True)
+            dcp_times.append(time.perf_counter() - t0)
+
+        secret_bytes = open(secret, "rb").read()
+        tiers = {"memory": MemoryTier(shms[0]),
+                 "peer": PeerTier(f"127.0.0.1:{ports[1]}", secret=secret_bytes, node=0, timeout=120),
+                 "disk": DiskTier(disk), "s3": S3Tier("bench", "c", endpoint_url=endpoint)}
+        results: dict[str, list[float]] = {name: [] for name in tiers}
+        with ckpt.Checkpointer("bench", shm=shms[0], spawn=False) as ck:
+            plans = {name: plan_restore(scan_tiers([tier], "bench"), "bench", 0) for name, tier in tiers.items()}
+            # round robin over the tiers, so drift in the machine's load spreads over all of them
+            for run in range(a.runs + 1):
+                for name, plan in plans.items():
+                    t0 = time.perf_counter()
+                    report = ck._load(plan, target)
+                    took = time.perf_counter() - t0
+                    assert report.tier == name, report
+                    if run:
+                        results[name].append(took)
+        for a_, b_ in zip(ts.model.state_dict().values(), target_ts.model.state_dict().values()):
+            assert torch.equal(a_, b_)
+
+        med = {k: statistics.median(v) for k, v in results.items()}
+        bound = statistics.median(copies[1:])
+        print(f"\n{os.cpu_count()} cores, torch {torch.__version__}, state {nbytes / 2**30:.2f} GiB in "
+              f"{len(tensors)} tensors, median of {a.runs}; disk and DCP reads are from the page cache\n")
+        print("| restore from | median s | GB/s | compared with |")
+        print("|---|---|---|---|")
+        print(f"| memory copy of the tensors (bound) | {bound:.3f} | {nbytes / bound / 1e9:.2f} | |")
+        print(f"| raw loopback socket (bound for peer) | {statistics.median(raw):.3f} | {raw_gbps:.2f} | |")
+        print(f"| DCP load, local folder | {statistics.median(dcp_times[1:]):.3f} | "
+              f"{nbytes / statistics.median(dcp_times[1:]) / 1e9:.2f} | |")
+        for name in ("memory", "peer", "disk", "s3"):
+            t = med[name]
+            gbps = nbytes / t / 1e9
+            vs = {"memory": f"{bound / t:.2f}× the memory copy",
+                  "peer": f"{gbps / raw_gbps:.2f}× raw socket; {med['s3'] / t:.1f}× faster than S3",
+                  "disk": f"{statistics.median(dcp_times[1:]) / t:.2f}× DCP load's speed",
+                  "s3": ""}[name]
+            print(f"| tierckpt {name} | {t:.3f} | {gbps:.2f} | {vs} |")
+        print("\nEach tierckpt row: read + verify every checksum + copy into the tensors + load the state dicts.")
+        return 0
+    finally:
+        for p in procs:
+            p.terminate()
+        for p in procs:
+            p.wait(60)
+        shutil.rmtree(work, ignore_errors=True)
+        shutil.rmtree(disk, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
