@@ -18,7 +18,7 @@ from tiers import keys
 from tiers.peer import PeerTier
 
 pytestmark = pytest.mark.e2e
-FAST = ["--heartbeat", "0.2", "--dead-after", "1.5"]
+FAST = ["--heartbeat", "0.2", "--dead-after", "3"]
 
 
 class Cluster:
