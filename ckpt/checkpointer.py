@@ -586,13 +586,7 @@ class Checkpointer:
         Returns None, with the tensors possibly half-written, when the checksum does not match.
         """
         t0 = time.perf_counter()
-        by_name = {e.name: e for e in info.entries}
-        flat = flatten_state(state, for_restore=True)
-        missing = [leaf.name for leaf in flat.leaves if leaf.name not in by_name]
-        if missing:
-            raise StateMismatchError(
-                f"step {plan.step} of {plan.job!r} has no {', '.join(missing[:5])}"
-                f"{' …' if len(missing) > 5 else ''}: the state does not match the checkpoint")
+        by_name, flat = self._target(plan, state, info)
         targets: dict[int, tuple[Leaf, Any]] = {}
         for leaf in flat.leaves:
             entry = by_name[leaf.name]
@@ -665,6 +659,18 @@ class Checkpointer:
         return ShardReport(self.rank, tier.name, info.size, time.perf_counter() - t0)
 
     @staticmethod
+    def _target(plan: RestorePlan, state: dict, info: Any) -> tuple[dict, Flat]:
+        """The shard's entries by name and the flattened state to fill; StateMismatchError if names are missing."""
+        by_name = {e.name: e for e in info.entries}
+        flat = flatten_state(state, for_restore=True)
+        missing = [leaf.name for leaf in flat.leaves if leaf.name not in by_name]
+        if missing:
+            raise StateMismatchError(
+                f"step {plan.step} of {plan.job!r} has no {', '.join(missing[:5])}"
+                f"{' …' if len(missing) > 5 else ''}: the state does not match the checkpoint")
+        return by_name, flat
+
+    @staticmethod
     def _check_leaf(leaf: Leaf, entry: Any) -> None:
         if not isinstance(entry, TensorChunk):
             raise StateMismatchError(f"{leaf.name} is a tensor in the state but a value in the checkpoint")
@@ -682,13 +688,7 @@ class Checkpointer:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # a copy-on-write mapping is writable; torch cannot tell
             buf = torch.frombuffer(shard.view, dtype=torch.uint8) if info.size else torch.empty(0, dtype=torch.uint8)
-        by_name = {e.name: e for e in info.entries}
-        flat = flatten_state(state, for_restore=True)
-        missing = [leaf.name for leaf in flat.leaves if leaf.name not in by_name]
-        if missing:
-            raise StateMismatchError(
-                f"step {plan.step} of {plan.job!r} has no {', '.join(missing[:5])}"
-                f"{' …' if len(missing) > 5 else ''}: the state does not match the checkpoint")
+        by_name, flat = self._target(plan, state, info)
         with torch.no_grad():
             for leaf in flat.leaves:
                 self._fill(leaf, by_name[leaf.name], buf)
@@ -706,16 +706,7 @@ class Checkpointer:
             if leaf.parent is not None and not isinstance(leaf.parent, tuple):
                 leaf.parent[leaf.key] = v
             return
-        if not isinstance(entry, TensorChunk):
-            raise StateMismatchError(f"{leaf.name} is a tensor in the state but a value in the checkpoint")
-        local, gshape, offsets = _local(leaf.tensor)
-        dt = _dtype(entry.dtype)
-        if dt != local.dtype or tuple(local.shape) != entry.shape or gshape != entry.global_shape \
-                or offsets != entry.offsets:
-            raise StateMismatchError(
-                f"{leaf.name}: the state has {_dtype_name(local.dtype)}{list(local.shape)} at {list(offsets)} of "
-                f"{list(gshape)}, the checkpoint {entry.dtype}{list(entry.shape)} at {list(entry.offsets)} of "
-                f"{list(entry.global_shape)}")
+        Checkpointer._check_leaf(leaf, entry)
         if entry.nbytes:
-            src = buf[entry.offset : entry.offset + entry.nbytes].view(dt).view(entry.shape)
-            local.copy_(src)
+            src = buf[entry.offset : entry.offset + entry.nbytes].view(_dtype(entry.dtype)).view(entry.shape)
+            _local(leaf.tensor)[0].copy_(src)
