@@ -146,6 +146,12 @@ def main() -> int:
         torch.save({"params": params, "optim": opt}, f"{a.dump}.{rank}")
     if a.fsdp:
         torch.distributed.destroy_process_group()
+        out.close()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        # everything is written: skip interpreter teardown, where a gloo/FSDP2 process was seen to abort
+        # once in many runs ("terminate called without an active exception") after its work was done
+        os._exit(0)
     return 0
 
 
