@@ -30,7 +30,6 @@ import socket
 import struct
 import time
 from dataclasses import dataclass, field
-from typing import Any
 
 from recovery.inventory import scan_tier
 from tiers import keys
@@ -66,7 +65,8 @@ class _Pending:
     save_index: int
     metadata: dict
     sizes: dict[int, int] = field(default_factory=dict)
-    entries: dict[int, list] = field(default_factory=dict)
+    #: each rank's layout, parsed and checked once when it arrives
+    entries: dict[int, tuple] = field(default_factory=dict)
     checksums: dict[int, asyncio.Future] = field(default_factory=dict)
     nodes: dict[int, int] = field(default_factory=dict)
     created: float = field(default_factory=time.time)
@@ -446,7 +446,7 @@ class Agent:
         if os.path.getsize(slot) != nbytes:
             raise RequestError(f"slot holds {os.path.getsize(slot)} bytes, commit says {nbytes}")
         entries = req.get("entries", [])
-        validate_layout(entries, nbytes, f"rank {rank} layout")
+        parsed = tuple(validate_layout(entries, nbytes, f"rank {rank} layout"))
         if not isinstance(req.get("metadata", {}), dict):
             raise RequestError("metadata must be a JSON object")
         key = (job, step)
@@ -465,7 +465,7 @@ class Agent:
         self._leases.discard(slot)
         self._lease_conn.pop(slot, None)
         pend.sizes[rank] = nbytes
-        pend.entries[rank] = entries
+        pend.entries[rank] = parsed
         pend.nodes[rank] = self.me
         pend.checksums[rank] = asyncio.ensure_future(asyncio.to_thread(checksum_file, slot, nbytes))
         self.stats["bytes_in"] += nbytes
@@ -575,7 +575,7 @@ class Agent:
             world, nbytes, node = int(rec["world"]), int(rec["nbytes"]), int(rec["node"])
             if not 0 <= rank < world or nbytes < 0 or not isinstance(rec["checksum"], str):
                 raise RequestError("rank, world, nbytes or checksum out of range")
-            validate_layout(rec["entries"], nbytes, f"rank {rank} layout")
+            parsed = tuple(validate_layout(rec["entries"], nbytes, f"rank {rank} layout"))
             if not isinstance(rec.get("metadata", {}), dict):
                 raise RequestError("metadata must be a JSON object")
         except (ValueError, KeyError, TypeError) as e:
@@ -591,7 +591,7 @@ class Agent:
             return web.Response(status=409, text=f"world {world} differs from {pend.world}\n")
         if rank not in pend.sizes:
             pend.sizes[rank] = nbytes
-            pend.entries[rank] = rec["entries"]
+            pend.entries[rank] = parsed
             pend.nodes[rank] = node
             fut = asyncio.get_running_loop().create_future()
             fut.set_result(rec["checksum"])
@@ -818,7 +818,7 @@ class Agent:
             shards = []
             for r in range(pend.world):
                 shards.append(ShardInfo(r, pend.sizes[r], await pend.checksums[r],
-                                        tuple(validate_layout(pend.entries[r], pend.sizes[r])),
+                                        pend.entries[r],
                                         pend.nodes.get(r, self.me)))
             meta = dict(pend.metadata)
             meta["save_index"] = pend.save_index

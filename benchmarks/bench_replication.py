@@ -73,11 +73,24 @@ def raw_socket(path: str, size: int, runs: int) -> list[float]:
     return times[1:]
 
 
-def start_agent(shm: str, peers: str, rank: int, secret: str) -> subprocess.Popen:
+def cluster_files(work: str, n: int = 2) -> tuple[list[int], str, str]:
+    """Free loopback ports for ``n`` agents, their peers file and a shared secret file, in ``work``."""
+    ports = [free_port() for _ in range(n)]
+    peers = os.path.join(work, "peers.txt")
+    with open(peers, "w") as f:
+        f.write("".join(f"127.0.0.1:{p}\n" for p in ports))
+    secret = os.path.join(work, "secret")
+    fd = os.open(secret, os.O_WRONLY | os.O_CREAT, 0o600)
+    os.write(fd, os.urandom(32))
+    os.close(fd)
+    return ports, peers, secret
+
+
+def start_agent(shm: str, peers: str, rank: int, secret: str, *extra: str) -> subprocess.Popen:
     os.makedirs(shm, exist_ok=True)
     log = open(os.path.join(os.path.dirname(shm), f"agent{rank}.log"), "ab")
     p = subprocess.Popen([sys.executable, "-m", "ckpt.cli", "agent", "--shm", shm, "--node-rank", str(rank),
-                          "--peers", peers, "--secret-file", secret, "--keep-memory", "2"],
+                          "--peers", peers, "--secret-file", secret, "--keep-memory", "2", *extra],
                          stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
     for _ in range(600):
         c = AgentClient.try_connect(socket_path_for(shm), timeout=2)
@@ -127,14 +140,7 @@ def main() -> int:
             f.write(fill)
         raw = raw_socket(src, size, a.runs)
 
-        ports = [free_port(), free_port()]
-        peers = os.path.join(work, "peers.txt")
-        with open(peers, "w") as f:
-            f.write("".join(f"127.0.0.1:{p}\n" for p in ports))
-        secret = os.path.join(work, "secret")
-        fd = os.open(secret, os.O_WRONLY | os.O_CREAT, 0o600)
-        os.write(fd, os.urandom(32))
-        os.close(fd)
+        ports, peers, secret = cluster_files(work)
         shms = [os.path.join(work, f"node{i}", "shm") for i in range(2)]
         procs = [start_agent(shms[i], peers, i, secret) for i in range(2)]
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -29,7 +28,8 @@ sys.path.insert(0, os.path.dirname(HERE))
 import torch  # noqa: E402
 
 from _common import build_state  # noqa: E402
-from bench_replication import free_port, raw_socket, start_agent  # noqa: E402
+from bench_replication import cluster_files, raw_socket, start_agent  # noqa: E402
+from ckpt._demo import start_local_s3  # noqa: E402
 
 
 def drop_caches() -> bool:
@@ -47,8 +47,6 @@ def main() -> int:
     ap.add_argument("--size-gib", type=float, default=1.0)
     ap.add_argument("--runs", type=int, default=5)
     a = ap.parse_args()
-    import boto3
-
     import ckpt
     from recovery import plan_restore, scan_tiers
     from tiers import DiskTier, MemoryTier
@@ -58,33 +56,13 @@ def main() -> int:
     work = tempfile.mkdtemp(prefix="bench-restore-", dir="/dev/shm")
     disk = tempfile.mkdtemp(prefix="bench-restore-disk-")
     procs: list[subprocess.Popen] = []
-    for k, v in {"AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench", "AWS_DEFAULT_REGION": "us-east-1"}.items():
-        os.environ.setdefault(k, v)
     try:
-        port = free_port()
-        procs.append(subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
-        endpoint = f"http://127.0.0.1:{port}"
-        s3c = boto3.client("s3", endpoint_url=endpoint)
-        for _ in range(300):
-            try:
-                s3c.create_bucket(Bucket="bench")
-                break
-            except Exception:
-                time.sleep(0.05)
-        ports = [free_port(), free_port()]
-        peers = os.path.join(work, "peers.txt")
-        with open(peers, "w") as f:
-            f.write("".join(f"127.0.0.1:{p}\n" for p in ports))
-        secret = os.path.join(work, "secret")
-        fd = os.open(secret, os.O_WRONLY | os.O_CREAT, 0o600)
-        os.write(fd, os.urandom(32))
-        os.close(fd)
+        moto, endpoint = start_local_s3("bench")
+        procs.append(moto)
+        ports, peers, secret = cluster_files(work)
         shms = [os.path.join(work, f"node{i}", "shm") for i in range(2)]
-        os.environ["CKPT_DISK"], os.environ["CKPT_S3"], os.environ["CKPT_S3_ENDPOINT"] = disk, "s3://bench/c", endpoint
-        procs += [start_agent(shms[i], peers, i, secret) for i in range(2)]
-        for k in ("CKPT_DISK", "CKPT_S3", "CKPT_S3_ENDPOINT"):
-            os.environ.pop(k)
+        lower = ["--disk", disk, "--s3", "s3://bench/c", "--s3-endpoint", endpoint]
+        procs += [start_agent(shms[i], peers, i, secret, *lower) for i in range(2)]
 
         ts = build_state(a.size_gib)
         state = {"model": ts.model, "optim": ts.optim}

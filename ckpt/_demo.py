@@ -93,6 +93,38 @@ def _wait_socket(shm: str, proc: subprocess.Popen) -> None:
     raise RuntimeError("the agent did not start within 30 s")
 
 
+def start_local_s3(bucket: str) -> tuple[subprocess.Popen, str]:
+    """Start an S3-compatible server (moto) on a free 127.0.0.1 port with ``bucket`` in it.
+
+    Sets fake credentials in this process's environment where none are set. Returns the server
+    process (the caller terminates it) and its endpoint URL.
+    """
+    import socket
+
+    import boto3
+
+    with socket.socket() as sk:
+        sk.bind(("127.0.0.1", 0))
+        port = sk.getsockname()[1]
+    for k, v in {"AWS_ACCESS_KEY_ID": "local", "AWS_SECRET_ACCESS_KEY": "local",
+                 "AWS_DEFAULT_REGION": "us-east-1"}.items():
+        os.environ.setdefault(k, v)
+    proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    endpoint = f"http://127.0.0.1:{port}"
+    client = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1")
+    for _ in range(600):
+        try:
+            client.create_bucket(Bucket=bucket)
+            return proc, endpoint
+        except Exception:
+            if proc.poll() is not None:
+                break
+            time.sleep(0.05)
+    proc.kill()
+    raise RuntimeError(f"the local S3 server on {endpoint} did not start")
+
+
 def run(a: argparse.Namespace) -> int:
     """The whole demo (see the module docstring)."""
     work = tempfile.mkdtemp(prefix="tierckpt-demo-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
@@ -104,27 +136,9 @@ def run(a: argparse.Namespace) -> int:
         s3 = a.s3
         endpoint = a.s3_endpoint
         if s3 is None:
-            import boto3
-            import socket as _s
-
-            with _s.socket() as sk:
-                sk.bind(("127.0.0.1", 0))
-                port = sk.getsockname()[1]
-            for k, v in {"AWS_ACCESS_KEY_ID": "demo", "AWS_SECRET_ACCESS_KEY": "demo",
-                         "AWS_DEFAULT_REGION": "us-east-1"}.items():
-                env.setdefault(k, v)
-                os.environ.setdefault(k, v)
-            moto = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-                                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+            moto, endpoint = start_local_s3("demo")
             procs.append(moto)
-            endpoint = f"http://127.0.0.1:{port}"
-            client = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1")
-            for _ in range(300):
-                try:
-                    client.create_bucket(Bucket="demo")
-                    break
-                except Exception:
-                    time.sleep(0.05)
+            env = dict(os.environ)
             s3 = "s3://demo/ckpt"
             print(f"• S3-compatible server (moto) on {endpoint}")
         agent_log = open(os.path.join(work, "agent.log"), "wb")

@@ -9,7 +9,6 @@ each chunk into DCP's target. Only tensors go through DCP; JSON values are resto
 
 from __future__ import annotations
 
-import ctypes
 import warnings
 from typing import Any
 
@@ -18,7 +17,6 @@ from torch.distributed.checkpoint import StorageReader
 from torch.distributed.checkpoint.metadata import (
     ChunkStorageMetadata,
     Metadata,
-    MetadataIndex,
     TensorProperties,
     TensorStorageMetadata,
 )
@@ -27,11 +25,9 @@ from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner
 from recovery import RestorePlan, open_shard
 from tiers.manifest import TensorChunk
 
+from ._tensors import buffer_allocator, dtype_of as _dtype
+
 __all__ = ["PlanReader"]
-
-
-def _dtype(name: str) -> torch.dtype:
-    return getattr(torch, name)
 
 
 class PlanReader(StorageReader):
@@ -78,11 +74,7 @@ class PlanReader(StorageReader):
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> torch.futures.Future:
         opened: dict[int, Any] = {}
         keep: list[torch.Tensor] = []
-
-        def alloc(n: int) -> memoryview:
-            t = torch.empty(max(n, 1), dtype=torch.uint8)
-            keep.append(t)
-            return memoryview((ctypes.c_char * n).from_address(t.data_ptr())).cast("B")
+        alloc = buffer_allocator(keep)
 
         try:
             for req in plan.items:
@@ -112,6 +104,3 @@ class PlanReader(StorageReader):
         fut.set_result(None)
         return fut
 
-
-def metadata_index(fqn: str, offsets: tuple[int, ...]) -> MetadataIndex:
-    return MetadataIndex(fqn, torch.Size(offsets))

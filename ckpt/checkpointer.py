@@ -20,7 +20,6 @@ the rest (checksum, manifest, disk, S3) in its own process.
 from __future__ import annotations
 
 import concurrent.futures as cf
-import ctypes
 import logging
 import mmap
 import os
@@ -45,7 +44,9 @@ from tiers.disk import DiskTier
 from tiers.manifest import JsonEntry, TensorChunk
 from tiers.memory import MemoryTier
 
-from ._flatten import Flat, Leaf, StateError, flatten_state
+from ._flatten import Flat, Leaf, flatten_state
+from ._tensors import buffer_allocator, buffer_view as _buffer_view, dtype_name as _dtype_name
+from ._tensors import dtype_of as _dtype
 
 __all__ = ["Checkpointer", "SaveFuture", "RestoreReport", "CheckpointError", "StateMismatchError"]
 
@@ -64,17 +65,6 @@ class StateMismatchError(KeyError):
         return str(self.args[0]) if self.args else ""
 
 
-def _dtype_name(dt: torch.dtype) -> str:
-    return str(dt).removeprefix("torch.")
-
-
-def _dtype(name: str) -> torch.dtype:
-    dt = getattr(torch, name, None)
-    if not isinstance(dt, torch.dtype):
-        raise StateMismatchError(f"checkpoint holds dtype {name!r}, unknown to this torch")
-    return dt
-
-
 def _local(t: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...], tuple[int, ...]]:
     """(local tensor, global shape, offsets of the local chunk)."""
     if hasattr(t, "placements") and hasattr(t, "to_local"):
@@ -83,10 +73,6 @@ def _local(t: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...], tuple[int, .
         offsets = tuple(chunks[0].offsets) if chunks else (0,) * t.dim()
         return local, tuple(t.shape), offsets
     return t, tuple(t.shape), (0,) * t.dim()
-
-
-def _buffer_view(ptr: int, n: int) -> memoryview:
-    return memoryview((ctypes.c_char * n).from_address(ptr)).cast("B")
 
 
 @dataclass
@@ -566,13 +552,7 @@ class Checkpointer:
             plan = RestorePlan(plan.job, plan.step, plan.manifest, plan.manifest_tier,
                                {**plan.sources, self.rank: sources[1:]})
         keep: list[torch.Tensor] = []
-
-        def alloc(n: int) -> memoryview:
-            t = torch.empty(max(n, 1), dtype=torch.uint8)
-            keep.append(t)
-            return _buffer_view(t.data_ptr(), n)
-
-        shard = open_shard(plan, self.rank, alloc, verify=self.verify)
+        shard = open_shard(plan, self.rank, buffer_allocator(keep), verify=self.verify)
         try:
             return self._apply(plan, state, info, shard)
         finally:

@@ -331,7 +331,7 @@ def cmd_restore(a: argparse.Namespace) -> int:
     import torch
     from tqdm import tqdm
 
-    from ckpt.checkpointer import _buffer_view, _dtype
+    from ckpt._tensors import buffer_view as _buffer_view, dtype_of as _dtype
 
     job = keys.check_job(a.job)
     s = _settings(a)

@@ -10,7 +10,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from tiers.base import Tier
-from tiers.errors import KeyNotFoundError
 from tiers.manifest import Manifest
 
 from .inventory import TierInventory
@@ -100,13 +99,3 @@ def plan_restore(invs: list[TierInventory], job: str, step: int | None = None,
         f"step {step} of job {job!r} is not complete in any tier; complete steps: {done[-10:] or 'none'}"
     )
 
-
-def manifest_from(tiers: list[Tier], job: str, step: int) -> Manifest:
-    from .inventory import read_manifest
-
-    for t in tiers:
-        try:
-            return read_manifest(t, job, step)
-        except KeyNotFoundError:
-            continue
-    raise StepNotFoundError(f"step {step} of job {job!r} has no manifest in any tier")

@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 
-from procs import ROOT, TRAINER, ckpt_cmd, env, kill9, losses, read_events, run_trainer, start_agent
+from procs import TRAINER, ckpt_cmd, env, kill9, losses, read_events, run_trainer, start_agent
 
 pytestmark = pytest.mark.e2e
 STEPS = 8
