@@ -65,6 +65,28 @@ class StateMismatchError(KeyError):
         return str(self.args[0]) if self.args else ""
 
 
+def _warn_restart_store(rank: int) -> None:
+    """Say so when torchrun will restart ranks that cannot form a process group again.
+
+    torchrun's rendezvous shares one TCP store with the ranks' process group, and a restarted group can read
+    the previous attempt's addresses from it and fail to connect (pytorch/pytorch#135712); launching with
+    ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` gives every attempt a fresh store.
+    """
+    e = os.environ
+    if rank != 0 or e.get("TORCHELASTIC_USE_AGENT_STORE") != "True" \
+            or e.get("TORCH_DISABLE_SHARE_RDZV_TCP_STORE") == "1":
+        return
+    try:
+        restarts = int(e.get("TORCHELASTIC_MAX_RESTARTS", "0"))
+    except ValueError:
+        return
+    if restarts > 0:
+        warnings.warn("torchrun --max-restarts with a shared rendezvous store: restarted ranks may fail to form "
+                      "their process group (pytorch/pytorch#135712); launch torchrun with "
+                      "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 so each restart can resume from the checkpoint",
+                      RuntimeWarning, stacklevel=3)
+
+
 def _local(t: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...], tuple[int, ...]]:
     """(local tensor, global shape, offsets of the local chunk)."""
     if hasattr(t, "placements") and hasattr(t, "to_local"):
@@ -159,6 +181,7 @@ class Checkpointer:
             self.rank, self.world = dist.get_rank(), dist.get_world_size()
         else:
             self.rank, self.world = 0, 1
+        _warn_restart_store(self.rank)
         for attempt in range(5):
             # an agent that is shutting down may accept and then drop us: try again, then start a new one
             self._client, self._started_agent = connect_or_spawn(self.settings, spawn=spawn, idle_exit=idle_exit)

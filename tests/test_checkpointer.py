@@ -191,3 +191,26 @@ def test_back_to_back_saves_never_deadlock_on_the_next_slot_lease(tmp_path, monk
         ck.wait()
         assert ck.skipped == []
         assert ck.latest_step() == 11
+
+
+@pytest.mark.parametrize("env,warns", [
+    ({"TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_MAX_RESTARTS": "3"}, True),
+    ({"TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_MAX_RESTARTS": "3",
+      "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}, False),
+    ({"TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_MAX_RESTARTS": "0"}, False),
+    ({}, False),
+])
+def test_restartable_torchrun_launch_without_fresh_store_per_attempt_is_warned_about(monkeypatch, env, warns):
+    import warnings
+
+    from ckpt.checkpointer import _warn_restart_store
+
+    for k in ("TORCHELASTIC_USE_AGENT_STORE", "TORCHELASTIC_MAX_RESTARTS", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"):
+        monkeypatch.delenv(k, raising=False)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        _warn_restart_store(0)
+    hits = [w for w in seen if "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in str(w.message)]
+    assert len(hits) == (1 if warns else 0)

@@ -24,14 +24,22 @@ HANG = 12
 NPROC = 2
 
 
-def _torchrun(node: int, port: int, out: str, *args: str, hang: bool = False):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", str(NPROC),
-           "--node-rank", str(node), "--master-addr", "127.0.0.1", "--master-port", str(port),
+def _torchrun(node: int, port: int, out: str, *args: str, hang: bool = False, restarts: int = 0):
+    if restarts:
+        # the elastic launch recipe of the README: c10d rendezvous, so a failure on one node restarts every
+        # node's ranks; torch's shared rendezvous store hands restarted gloo/NCCL groups the previous
+        # attempt's addresses (pytorch/pytorch#135712), hence TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
+        launch = ["--max-restarts", str(restarts), "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
+                  "--rdzv-id", "mission"]
+    else:
+        launch = ["--node-rank", str(node), "--master-addr", "127.0.0.1", "--master-port", str(port)]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", str(NPROC), *launch,
            TRAINER, "--fsdp", "--gpt", "--steps", str(STEPS), "--out", out, *args]
     if hang:
         cmd += ["--hang-after", str(HANG)]
     return subprocess.Popen(cmd, stdout=subprocess.PIPE if hang else subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, text=True, env=env(), start_new_session=True)
+                            stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            env=env(TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1"))
 
 
 def _kill_job(proc: subprocess.Popen) -> None:
@@ -73,9 +81,10 @@ class TwoNodes:
         kill9(self.agents.pop(n))
         shutil.rmtree(self.shm(n))
 
-    def run(self, out: str, *, hang: bool = False) -> None:
+    def run(self, out: str, *args: str, hang: bool = False, restarts: int = 0) -> None:
         port = free_port()
-        jobs = [_torchrun(n, port, out, "--job", "mission", "--shm", self.shm(n), "--no-spawn", hang=hang)
+        jobs = [_torchrun(n, port, out, "--job", "mission", "--shm", self.shm(n), "--no-spawn", *args, hang=hang,
+                          restarts=restarts)
                 for n in (0, 1)]
         if hang:
             for j in jobs:
@@ -143,3 +152,25 @@ def test_two_nodes_resume_bit_exact_from_fastest_surviving_tier(tmp_path, s3_buc
         assert [e["step"] for e in after] == list(range(step + 1, STEPS))
         assert {e["step"]: e["loss"] for e in after} == {s: reference[rank][s] for s in range(step + 1, STEPS)}
 
+
+
+def test_rank_killed_torchrun_restarts_every_rank_and_they_resume_from_local_memory(tmp_path, s3_bucket, reference):
+    """Case (a): rank 1 kill -9s itself after step 7 is saved; torchrun (--max-restarts 1) restarts all four
+    ranks, each restores step 7 from its own node's memory before its first step, and the run finishes
+    with the uninterrupted run's losses."""
+    endpoint, bucket = s3_bucket
+    c = TwoNodes(tmp_path, endpoint, bucket)
+    out = str(tmp_path / "ev")
+    try:
+        c.run(out, "--kill-rank", "1", "--kill-at", "7", restarts=1)
+    finally:
+        c.close()
+    for rank in range(4):
+        events = read_events(f"{out}.{rank}")
+        restored = [e for e in events if "restored" in e]
+        assert restored == [{"restored": 7, "tiers": ["memory"]}], (rank, restored)
+        i = events.index(restored[0])
+        before, after = losses(events[:i]), events[i + 1:]
+        assert before == {s: reference[rank][s] for s in range(8)}, rank
+        assert [e["step"] for e in after] == list(range(8, STEPS))
+        assert {e["step"]: e["loss"] for e in after} == {s: reference[rank][s] for s in range(8, STEPS)}

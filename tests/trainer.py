@@ -124,6 +124,14 @@ def main() -> int:
             if step == a.kill_at and rank == a.kill_rank and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
                 fut.wait_staged()
                 ck.wait()
+                # die only once the step is committed on every rank (its manifest is in this node's memory),
+                # so the step every rank restores is known
+                from tiers.keys import manifest_key
+
+                done = os.path.join(a.shm, *manifest_key(a.job, step).split("/"))
+                deadline = time.monotonic() + 60
+                while not os.path.exists(done) and time.monotonic() < deadline:
+                    time.sleep(0.01)
                 os.kill(os.getpid(), 9)
             if step == a.hang_after:
                 fut.wait_staged()
