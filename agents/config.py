@@ -82,6 +82,8 @@ class Settings:
     dead_after: float = 5.0
     #: seconds a peer request may take before the peer counts as unreachable
     peer_timeout: float = 10.0
+    #: warm restore: at start, pull from peers this node's ranks' shards of each job's newest step
+    prefetch: bool = True
     #: optional TLS for the peer protocol: this node's certificate and key, and the CA that signed every node's
     tls_cert: str | None = None
     tls_key: str | None = None

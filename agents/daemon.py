@@ -125,6 +125,8 @@ class Agent:
         self._errors: dict[str, list[str]] = {}
         self._draining: dict[tuple[str, int], set[str]] = {}
         self._settled: dict[tuple[str, int], asyncio.Event] = {}
+        #: copies of local shards to peers still under way, per step (``wait`` waits for them too)
+        self._copies: dict[tuple[str, int], set[asyncio.Future]] = {}
         self._queues: dict[str, asyncio.Queue] = {}
         self._workers: list[asyncio.Task] = []
         self._slot_cond: asyncio.Condition | None = None
@@ -146,6 +148,9 @@ class Agent:
         self._pushing: set[tuple[int, str]] = set()
         #: pulled copies waiting for the primary's checksum: token -> (key, temp file, checksum, since)
         self._unpublished: dict[str, tuple[str, str, str, float]] = {}
+        #: the warm restore run at start (state idle|running|done, steps, shards, bytes, seconds, errors)
+        self.prefetch: dict = {"state": "idle", "steps": {}, "shards": 0, "bytes": 0, "seconds": 0.0, "errors": []}
+        self._prefetched: asyncio.Event | None = None
         if settings.peers:
             self._setup_peers()
 
@@ -211,6 +216,12 @@ class Agent:
             self._heal_now = asyncio.Event()
             self._tasks.append(asyncio.create_task(self._heartbeat_loop(), name="heartbeat"))
             self._tasks.append(asyncio.create_task(self._heal_loop(), name="heal"))
+            self._prefetched = asyncio.Event()
+            if self.settings.prefetch:
+                self.prefetch["state"] = "running"
+                self._tasks.append(asyncio.create_task(self._prefetch(), name="prefetch"))
+            else:
+                self._prefetched.set()
         path = self.settings.socket_path
         if not path.startswith("\0"):
             with contextlib.suppress(FileNotFoundError):
@@ -483,6 +494,18 @@ class Agent:
         path = self.memory.path(key)
         copies = [asyncio.ensure_future(self._push(r, key, path, nbytes, pend.checksums[rank]))
                   for r in self.members.targets(self.me)]
+        under_way = self._copies.setdefault((job, step), set())
+        for f in copies:
+            under_way.add(f)
+
+            def done(f: asyncio.Future, k: tuple[str, int] = (job, step)) -> None:
+                left = self._copies.get(k)
+                if left is not None:
+                    left.discard(f)
+                    if not left:
+                        del self._copies[k]
+
+            f.add_done_callback(done)
         try:
             checksum = await pend.checksums[rank]
         except Exception:
@@ -812,6 +835,103 @@ class Agent:
             log.info("re-replication: %d shard copies made", made)
         return made
 
+    async def _prefetch(self) -> None:
+        """Warm restore: pull from the peers, before this node's ranks ask, their shards of each job's newest step.
+
+        A replacement node's agent starts with empty memory while its peers still hold the shards that
+        the node's ranks saved (as replicas). For every job a peer holds, the newest step with a manifest
+        is the one a restarted job restores; the shards taken by this node (``ShardInfo.node``) are pulled
+        into local memory, verified against the manifest's checksums, and the manifest is written last,
+        so the ranks' restore reads local memory. Runs once, at start; ``status`` and the ``prefetch`` op
+        report it.
+        """
+        st = self.prefetch
+        t0 = time.monotonic()
+        try:
+            listings: dict[int, set[str]] = {}
+
+            async def listing(r: int) -> None:
+                try:
+                    listings[r] = set(await asyncio.to_thread(self.peer_tiers[r].list, ""))
+                except (TierError, OSError) as e:
+                    st["errors"].append(f"node {r}: {e}")
+
+            await asyncio.gather(*(listing(r) for r in sorted(self.peer_tiers)))
+            steps: dict[str, dict[int, int]] = {}  # job -> step -> a node that holds its manifest
+            for r, held in sorted(listings.items(), reverse=True):
+                for key in held:
+                    info = keys.parse_key(key)
+                    if info is not None and info.is_manifest:
+                        steps.setdefault(info.job, {})[info.step] = r
+            for job, where in sorted(steps.items()):
+                # the newest step whose shards of this node the peers hold in full (a node lost during a
+                # replication leaves the newest step short of some)
+                for step in sorted(where, reverse=True)[:self.settings.keep_memory + 1]:
+                    if await self._prefetch_step(job, step, where[step], listings):
+                        break
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # the agent must outlive a failed warm restore: restores read the peers instead
+            log.exception("warm restore failed")
+            st["errors"].append(f"{type(e).__name__}: {e}")
+        finally:
+            st["state"] = "done"
+            st["seconds"] = round(time.monotonic() - t0, 3)
+            self._prefetched.set()
+        if st["shards"]:
+            log.info("warm restore: %d shards (%d bytes) of %s pulled from peers in %.3f s", st["shards"],
+                     st["bytes"], ", ".join(f"{j} step {s}" for j, s in sorted(st["steps"].items())), st["seconds"])
+
+    async def _prefetch_step(self, job: str, step: int, holder: int, listings: dict[int, set[str]]) -> bool:
+        """Pull this node's shards of one step, then its manifest; True when the step is here (or not ours)."""
+        st = self.prefetch
+        mkey = keys.manifest_key(job, step)
+        if await asyncio.to_thread(os.path.exists, self.memory.path(mkey)):
+            return True
+        try:
+            data = await asyncio.to_thread(self.peer_tiers[holder].get, mkey)
+            m = Manifest.from_bytes(data, job=job, step=step)
+        except (TierError, OSError, ValueError) as e:
+            st["errors"].append(f"{mkey} from node {holder}: {e}")
+            return False
+        mine = [sh for sh in m.shards if sh.node == self.me]
+        if not mine:
+            return True
+        if any(not any(keys.shard_key(job, step, sh.rank) in held for held in listings.values()) for sh in mine):
+            return False
+
+        async def one(sh: ShardInfo) -> bool:
+            key = keys.shard_key(job, step, sh.rank)
+            with contextlib.suppress(OSError):
+                if os.stat(self.memory.path(key)).st_size == sh.size:
+                    return True
+            for r in [q for q in sorted(listings) if key in listings[q]]:
+                held = await self._budget.acquire(sh.size)
+                try:
+                    await asyncio.to_thread(self._pull, r, key, sh.size, sh.checksum)
+                    st["shards"] += 1
+                    st["bytes"] += sh.size
+                    return True
+                except (TierError, OSError) as e:
+                    st["errors"].append(f"{key} from node {r}: {e}")
+                finally:
+                    await self._budget.release(held)
+            return False
+
+        if not all(await asyncio.gather(*(one(sh) for sh in mine))):
+            return False
+        await asyncio.to_thread(self.memory.put, mkey, data)
+        st["steps"][job] = step
+        return True
+
+    async def _op_prefetch(self, conn: _Conn, req: dict) -> dict:
+        """The warm restore's report; with ``timeout`` (seconds), wait up to that long for it to finish."""
+        timeout = float(req.get("timeout") or 0)
+        if self._prefetched is not None and timeout > 0:
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._prefetched.wait(), timeout)
+        return dict(self.prefetch)
+
     async def _finish_step(self, job: str, step: int, pend: _Pending) -> None:
         key = (job, step)
         try:
@@ -978,14 +1098,50 @@ class Agent:
         timeout = float(req.get("timeout") or 3600)
         if step is None:
             evs = [ev for (j, _), ev in self._settled.items() if j == job]
+            copies = [f for (j, _), fs in self._copies.items() if j == job for f in fs]
         else:
             evs = [self._settled[(job, keys.check_step(step))]] if (job, step) in self._settled else []
+            copies = list(self._copies.get((job, step), ()))
         try:
-            await asyncio.wait_for(asyncio.gather(*(ev.wait() for ev in evs)), timeout)
+            # written to every tier, and copied to the peers placement names (a failed copy is reported by
+            # status and healed later: it does not fail the wait)
+            await asyncio.wait_for(asyncio.gather(*(ev.wait() for ev in evs), *copies), timeout)
             done = True
         except asyncio.TimeoutError:
             done = False
         return {"done": done, "errors": self._take_errors(job)}
+
+    async def _op_rewind(self, conn: _Conn, req: dict) -> dict:
+        """The job resumed from ``step``: its later steps here belong to the run that failed; drop them.
+
+        Called by every rank's restore once the ranks agreed on ``step``, before any new save, so the new
+        run's saves of those step numbers are taken, not refused as already committed. Drops them from
+        memory only (after their writes to disk and S3 finish); the lower tiers are overwritten when the
+        new run saves the same steps. Answers the steps dropped.
+        """
+        job = keys.check_job(req["job"])
+        step = int(req["step"])
+        if step < -1:
+            raise RequestError(f"step must be >= -1, got {step}")
+        inv = await asyncio.to_thread(scan_tier, self.memory, job, with_sizes=False)
+        later = {s for s in inv.job(job) if s > step}
+        later |= {s for (j, s) in list(self._pending) + list(self._settled) if j == job and s > step}
+        waits = [self._settled[(job, s)].wait() for s in later if (job, s) in self._draining]
+        waits += [f for s in later for f in self._copies.get((job, s), ())]
+        if waits:
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(asyncio.gather(*waits, return_exceptions=True), self.settings.grace)
+        for s in sorted(later):
+            self._pending.pop((job, s), None)
+            ev = self._settled.pop((job, s), None)
+            if ev is not None:
+                ev.set()
+            await asyncio.to_thread(self._delete_step, self.memory, job, s)
+        if later:
+            log.info("%s resumed from step %d: dropped later steps %s from memory", job, step, sorted(later))
+            async with self._slot_cond:
+                self._slot_cond.notify_all()
+        return {"dropped": sorted(later)}
 
     async def _op_errors(self, conn: _Conn, req: dict) -> dict:
         return {"errors": self._take_errors(keys.check_job(req["job"]))}
@@ -999,7 +1155,7 @@ class Agent:
             "inflight_bytes": self._budget.used if self._budget else 0,
             "errors": {j: len(e) for j, e in self._errors.items()},
             "stats": self.stats, "settings": self.settings.to_dict(),
-            "node": self.me, "peers": self._peer_status(),
+            "node": self.me, "peers": self._peer_status(), "prefetch": self.prefetch,
         }
 
     def _peer_status(self) -> list[dict]:

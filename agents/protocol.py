@@ -16,7 +16,10 @@ staging leases when its connection closes)::
     ← {"ok": true, "done": true, "errors": [...]}
 
 Also: ``release`` (give a lease back), ``errors``, ``list``, ``status``,
-``delete``, ``shutdown``. A failed request answers ``{"ok": false, "error":
+``delete``, ``shutdown``; ``prefetch`` (the warm restore's report, waiting
+up to ``timeout`` s for it) and ``rewind`` (``job``, ``step``: the job
+resumed from ``step``, so later steps in memory are dropped), both called by
+a restore. A failed request answers ``{"ok": false, "error":
 <type>, "message": <one line>}``; the client raises :class:`AgentError`.
 Lines are limited to ``MAX_LINE`` bytes.
 """

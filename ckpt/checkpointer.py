@@ -499,6 +499,7 @@ class Checkpointer:
         StateMismatchError when ``state`` does not match the checkpoint.
         """
         t0 = time.perf_counter()
+        self._await_prefetch()
         tiers = self.tiers()
         invs = scan_tiers(tiers, self.job)
         from recovery.planner import complete_steps
@@ -521,6 +522,12 @@ class Checkpointer:
                 raise StepNotFoundError(f"rank {self.rank} cannot reach step {agreed} that the other ranks agreed on")
         if agreed < 0:
             return None
+        # saves after this restore retake the step numbers after ``agreed``: the agent drops what the
+        # failed run left of them, so they are not refused as already committed
+        try:
+            self._client.call("rewind", job=self.job, step=agreed)
+        except AgentError as e:
+            log.warning("the agent could not drop steps after %d: %s", agreed, e)
         plan = plan_restore(invs, self.job, agreed, [self.rank])
         if plan.manifest.world != self.world:
             reports = self._load_resharded(plan_restore(invs, self.job, agreed), state)
@@ -530,6 +537,28 @@ class Checkpointer:
         log.info("rank %d restored %s step %d from %s in %.3f s", self.rank, self.job, agreed,
                  ", ".join(sorted({r.tier for r in reports})) or "nowhere", self.last_restore.seconds)
         return agreed
+
+    def _await_prefetch(self) -> None:
+        """Let a replacement node's agent finish pulling this node's shards from its peers (warm restore).
+
+        The agent starts pulling at once; reading the same bytes from the peers in parallel would only
+        split the same links. Waits at most a few peer timeouts; restore then reads whatever is where.
+        """
+        if not self.settings.peers or not self.settings.prefetch:
+            return
+        limit = 6 * self.settings.peer_timeout
+        try:
+            with AgentClient(self.settings.socket_path, timeout=limit + 5) as c:
+                rep = c.call("prefetch", timeout=limit)
+        except (AgentError, AgentUnreachableError, OSError) as e:
+            log.warning("could not ask the agent about its warm restore: %s", e)
+            return
+        if rep.get("state") != "done":
+            log.warning("the agent's warm restore is still running after %.0f s: restoring from where the "
+                        "shards are now", limit)
+        elif rep.get("shards"):
+            log.info("the agent pulled %d shards (%d bytes) from peers before this restore", rep["shards"],
+                     rep["bytes"])
 
     def _load_resharded(self, plan: RestorePlan, state: dict) -> list[ShardReport]:
         """Restore a step saved by another number of ranks: DCP reshards the tensors through

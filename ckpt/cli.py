@@ -140,7 +140,8 @@ def cmd_agent(a: argparse.Namespace) -> int:
              "keep_disk": a.keep_disk, "keep_s3": a.keep_s3, "compress": True if a.compress else None,
              "node_rank": a.node_rank, "peers": a.peers, "secret_file": a.secret_file, "replicas": a.replicas,
              "placement": a.placement, "peer_bandwidth": a.peer_bandwidth, "heartbeat": a.heartbeat,
-             "dead_after": a.dead_after, "tls_cert": a.tls_cert, "tls_key": a.tls_key, "tls_ca": a.tls_ca}
+             "dead_after": a.dead_after, "tls_cert": a.tls_cert, "tls_key": a.tls_key, "tls_ca": a.tls_ca,
+             "prefetch": a.prefetch}
     s = _settings(a, extra)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     return run_agent(s)
@@ -404,6 +405,8 @@ def build_parser() -> argparse.ArgumentParser:
     ag.add_argument("--peer-bandwidth", type=int, help="cap on replication traffic, bytes/s")
     ag.add_argument("--heartbeat", type=float, help="seconds between heartbeats")
     ag.add_argument("--dead-after", type=float, help="seconds of silence before a peer is declared dead")
+    ag.add_argument("--no-prefetch", dest="prefetch", action="store_false", default=None,
+                    help="at start, do not pull this node's shards of the newest steps from its peers")
     ag.add_argument("--tls-cert")
     ag.add_argument("--tls-key")
     ag.add_argument("--tls-ca")

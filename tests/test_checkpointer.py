@@ -214,3 +214,28 @@ def test_restartable_torchrun_launch_without_fresh_store_per_attempt_is_warned_a
         _warn_restart_store(0)
     hits = [w for w in seen if "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in str(w.message)]
     assert len(hits) == (1 if warns else 0)
+
+
+def test_saves_after_resuming_from_an_older_step_replace_the_failed_runs_later_steps(tmp_path):
+    """A job resumed from step 1 retakes steps 2 and 3: the agent drops what the earlier run left of them,
+    and the next restore finds the new run's bytes, not the old ones."""
+    from procs import start_agent
+
+    shm = str(tmp_path / "shm")
+    agent = start_agent(shm, "--keep-memory", "5")  # one node agent outlives both runs, as in a real job
+    try:
+        with ckpt.Checkpointer("rw", shm=shm, spawn=False) as ck:
+            for step in (1, 2, 3):
+                ck.save(step, {"w": torch.full((4,), float(step))})
+            ck.wait()
+        with ckpt.Checkpointer("rw", shm=shm, spawn=False) as ck:
+            state = {"w": torch.zeros(4)}
+            assert ck.restore(state, step=1) == 1 and torch.equal(state["w"], torch.full((4,), 1.0))
+            for step in (2, 3):
+                ck.save(step, {"w": torch.full((4,), 10.0 + step)})
+            ck.wait()
+            assert ck.restore(state) == 3
+            assert torch.equal(state["w"], torch.full((4,), 13.0))
+    finally:
+        agent.terminate()
+        agent.wait(60)
