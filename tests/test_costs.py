@@ -25,9 +25,11 @@ from recovery import (
 from recovery.costs import MAX_AGE, PRIORS
 from tiers import (
     DiskTier,
+    JsonEntry,
     Manifest,
     MemoryTier,
     ShardInfo,
+    TensorChunk,
     keys,
 )
 from tiers.base import ObjectInfo, TierBase
@@ -494,3 +496,47 @@ def test_memory_folder_is_preferred_over_disk_and_a_corrupt_memory_copy_falls_ba
     assert got == dict(enumerate(data))
     assert [r.tier for r in reports] == ["memory", "memory", "disk"]
     assert reports[2].source == disk.root and reports[2].failures[0].startswith(f"memory {mem.root}:")
+
+
+# -- the CLI ------------------------------------------------------------------------------------------
+@pytest.mark.e2e
+def test_cli_restore_fetches_in_parallel_shows_each_source_and_keeps_learned_costs(tmp_path):
+    import torch
+    from procs import ckpt_cmd
+
+    shm, disk = str(tmp_path / "shm"), str(tmp_path / "disk")
+    mem, dsk = MemoryTier(shm), DiskTier(disk, durable=False)
+    full = torch.arange(6 * 1000, dtype=torch.float32).reshape(6, 1000)
+    shards = []
+    for r in range(3):
+        part = full[2 * r: 2 * r + 2].contiguous()
+        data = part.numpy().tobytes()
+        entries = (TensorChunk("model/w", "float32", (6, 1000), (2 * r, 0), (2, 1000), 0, len(data)),
+                   JsonEntry("loader/pos", r))
+        shards.append((data, entries))
+    m = Manifest("cj", 9, 3, tuple(ShardInfo(r, len(d), checksum_bytes(d), e) for r, (d, e) in enumerate(shards)))
+    for t in (mem, dsk):
+        for r, (d, _) in enumerate(shards):
+            t.put(keys.shard_key("cj", 9, r), d)
+        t.put(keys.manifest_key("cj", 9), m.to_bytes())
+    with open(mem.path(keys.shard_key("cj", 9, 1)), "r+b") as f:
+        f.write(b"\xff" * 8)
+
+    out = tmp_path / "out"
+    p = ckpt_cmd("restore", "cj", "--shm", shm, "--disk", disk, "--to", str(out), "--format", "torch",
+                 "--max-memory", "10KiB")
+    assert p.returncode == 0, p.stderr
+    lines = p.stdout.splitlines()
+    assert lines[0].split() == ["rank", "tier", "source", "size", "seconds", "GB/s"]
+    rows = {int(line.split()[0]): line.split() for line in lines[2:5]}
+    assert rows[0][1:3] == ["memory", mem.root] and rows[2][1:3] == ["memory", mem.root]
+    assert rows[1][1:3] == ["disk", dsk.root]
+    state = torch.load(out / "checkpoint.pt", weights_only=True)
+    assert torch.equal(state["model"]["w"], full) and state["loader"]["pos"] == 0
+
+    learned = json.loads((tmp_path / "shm" / ".costs.json").read_text())
+    assert {mem.root, dsk.root} <= set(learned["sources"])
+    assert all(not k.startswith(".") for k in mem.list())  # the costs file is never taken for a key
+
+    p = ckpt_cmd("restore", "cj", "--shm", shm, "--disk", disk, "--to", str(out), "--max-memory", "0")
+    assert p.returncode == 2 and "not a positive size" in p.stderr
