@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import mmap
 import os
 import sys
 import time
@@ -19,7 +20,14 @@ from typing import Any
 
 from agents.config import Settings, SettingsError
 from agents.protocol import AgentClient, AgentError, AgentUnreachableError
-from recovery import JobNotFoundError, StepNotFoundError, fetch_shard, plan_restore, scan_tiers
+from recovery import (
+    CostModel,
+    JobNotFoundError,
+    StepNotFoundError,
+    fetch_shards,
+    plan_restore,
+    scan_tiers,
+)
 from recovery.fetch import ShardUnavailableError
 from recovery.planner import complete_steps
 from tiers import keys
@@ -35,6 +43,9 @@ __all__ = ["main"]
 EXIT_ERROR = 1
 EXIT_USAGE = 2
 EXIT_CORRUPT = 3
+
+#: the learned restore costs, kept beside the memory tier's objects (a dot-file: never listed as a key)
+COSTS_FILE = ".costs.json"
 
 
 class CliError(Exception):
@@ -208,7 +219,7 @@ def cmd_show(a: argparse.Namespace) -> int:
     job = keys.check_job(a.job)
     s = _settings(a)
     invs = _inventories(s, job)
-    plan = plan_restore(invs, job, a.step)
+    plan = plan_restore(invs, job, a.step, costs=_cost_model(s, invs)[0])
     m = plan.manifest
     print(f"job {job}  step {m.step}  world {m.world}  {_fmt_bytes(m.total_bytes)}  "
           f"saved {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(m.created))}  by {m.library} v{m.version}")
@@ -328,31 +339,59 @@ def _nest(flat: dict[str, Any]) -> dict:
     return lists(root)
 
 
+def _parse_size(text: str) -> int:
+    """Bytes from ``1073741824``, ``512MiB``, ``512M``, ``4GiB``, ``4G`` (binary units)."""
+    t = text.strip().upper().removesuffix("B").removesuffix("I")
+    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}.get(t[-1:], 1)
+    try:
+        n = int(float(t[:-1] if mult > 1 else t) * mult)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (bytes, or a number with KiB, MiB, GiB)") from None
+    if n <= 0:
+        raise argparse.ArgumentTypeError(f"not a positive size: {text!r}")
+    return n
+
+
+def _cost_model(s: Settings, invs: list) -> tuple[CostModel, str | None]:
+    """The learned costs kept in the memory folder (priors if none), fed the scan's manifest-read latencies."""
+    path = os.path.join(s.shm, COSTS_FILE) if os.path.isdir(s.shm) else None
+    costs = CostModel.load(path) if path else CostModel()
+    for inv in invs:
+        if inv.latency is not None:
+            costs.observe(inv.tier, 0, inv.latency)
+    return costs, path
+
+
+def _anon_buffer(n: int) -> memoryview:
+    # anonymous memory: no zero-fill pass, and unmapped as soon as the last view goes
+    return memoryview(mmap.mmap(-1, n) if n else bytearray(0))
+
+
 def cmd_restore(a: argparse.Namespace) -> int:
     import torch
     from tqdm import tqdm
 
-    from ckpt._tensors import buffer_view as _buffer_view, dtype_of as _dtype
+    from ckpt._tensors import dtype_of as _dtype
 
     job = keys.check_job(a.job)
     s = _settings(a)
     invs = _inventories(s, job)
-    plan = plan_restore(invs, job, a.step)
+    costs, costs_path = _cost_model(s, invs)
+    plan = plan_restore(invs, job, a.step, costs=costs)
     m = plan.manifest
     out: dict[str, Any] = {}
-    sources = []
+    for sh in m.shards:  # JSON values live in the manifest: rank 0's win, else the lowest rank's
+        for e in sh.entries:
+            if isinstance(e, JsonEntry) and (sh.rank == 0 or e.name not in out):
+                out[e.name] = e.value
     with tqdm(total=m.total_bytes, unit="B", unit_scale=True, desc=f"step {m.step}",
               disable=not sys.stderr.isatty() and not a.progress) as bar:
-        for sh in m.shards:
-            buf = torch.empty(max(sh.size, 1), dtype=torch.uint8)
-            rep = fetch_shard(plan, sh.rank, _buffer_view(buf.data_ptr(), sh.size))
-            sources.append(rep)
-            bar.update(sh.size)
-            bar.set_postfix_str(f"rank {sh.rank} from {rep.tier}")
+
+        def on_shard(rank: int, view: memoryview, rep: Any) -> None:
+            sh = m.shard(rank)
+            buf = torch.frombuffer(view, dtype=torch.uint8) if sh.size else torch.empty(0, dtype=torch.uint8)
             for e in sh.entries:
                 if isinstance(e, JsonEntry):
-                    if sh.rank == 0 or e.name not in out:
-                        out[e.name] = e.value
                     continue
                 full = out.get(e.name)
                 if full is None:
@@ -360,6 +399,19 @@ def cmd_restore(a: argparse.Namespace) -> int:
                 src = buf[e.offset: e.offset + e.nbytes].view(_dtype(e.dtype)).view(e.shape)
                 idx = tuple(slice(o, o + n) for o, n in zip(e.offsets, e.shape))
                 full[idx].copy_(src)
+            bar.update(sh.size)
+            bar.set_postfix_str(f"rank {rank} from {rep.source}")
+
+        try:
+            sources = fetch_shards(plan, [sh.rank for sh in m.shards], _anon_buffer, on_shard,
+                                   max_bytes=a.max_memory, costs=costs)
+        finally:
+            if costs_path:
+                try:
+                    costs.save(costs_path)
+                except OSError as e:
+                    print(f"ckpt: warning: could not save the learned restore costs to {costs_path}: {e}",
+                          file=sys.stderr)
     state = _nest(out)
     os.makedirs(a.to, exist_ok=True)
     if a.format == "torch":
@@ -370,9 +422,9 @@ def cmd_restore(a: argparse.Namespace) -> int:
 
         dcp.save(state, storage_writer=dcp.FileSystemWriter(a.to), no_dist=True)
         path = a.to
-    rows = [["rank", "tier", "size", "seconds", "GB/s"]]
+    rows = [["rank", "tier", "source", "size", "seconds", "GB/s"]]
     for r in sources:
-        rows.append([str(r.rank), r.tier, _fmt_bytes(r.nbytes), f"{r.seconds:.3f}", f"{r.gbps:.2f}"])
+        rows.append([str(r.rank), r.tier, r.source, _fmt_bytes(r.nbytes), f"{r.seconds:.3f}", f"{r.gbps:.2f}"])
     print(_table(rows))
     print(f"restored {job} step {m.step} ({_fmt_bytes(m.total_bytes)}) to {path} as {a.format}")
     return 0
@@ -436,6 +488,9 @@ def build_parser() -> argparse.ArgumentParser:
     rs.add_argument("--to", required=True, help="output folder")
     rs.add_argument("--format", choices=("dcp", "torch"), default="dcp")
     rs.add_argument("--progress", action="store_true", help="show the progress bar even when not on a terminal")
+    rs.add_argument("--max-memory", type=_parse_size, default=1 << 30, metavar="SIZE",
+                    help="most shard bytes held at once while fetching in parallel (bytes, or 512MiB, 4GiB; "
+                         "default 1GiB); a larger shard is fetched alone")
     _tier_flags(rs)
     rs.set_defaults(fn=cmd_restore)
 

@@ -1,11 +1,41 @@
-"""recovery: inventory of every tier, the restore planner and the verified fetcher. Torch-free."""
+"""recovery: inventory of every tier, the cost model, the restore planner and the verified fetcher. Torch-free."""
 
-from .fetch import OpenShard, ShardReport, ShardUnavailableError, fetch_shard, open_shard
+from .costs import CostModel, SourceCost, source_name
+from .fetch import (
+    OpenShard,
+    ShardReport,
+    ShardUnavailableError,
+    fetch_shard,
+    fetch_shards,
+    open_shard,
+)
 from .inventory import StepInTier, TierInventory, read_manifest, scan_tier, scan_tiers
-from .planner import JobNotFoundError, RestorePlan, StepNotFoundError, complete_steps, plan_restore
+from .planner import (
+    JobNotFoundError,
+    RestorePlan,
+    StepNotFoundError,
+    complete_steps,
+    plan_restore,
+)
 
 __all__ = [
-    "OpenShard", "ShardReport", "ShardUnavailableError", "fetch_shard", "open_shard", "StepInTier", "TierInventory",
-    "read_manifest", "scan_tier", "scan_tiers", "JobNotFoundError", "RestorePlan",
-    "StepNotFoundError", "complete_steps", "plan_restore",
+    "CostModel",
+    "JobNotFoundError",
+    "OpenShard",
+    "RestorePlan",
+    "ShardReport",
+    "ShardUnavailableError",
+    "SourceCost",
+    "StepInTier",
+    "StepNotFoundError",
+    "TierInventory",
+    "complete_steps",
+    "fetch_shard",
+    "fetch_shards",
+    "open_shard",
+    "plan_restore",
+    "read_manifest",
+    "scan_tier",
+    "scan_tiers",
+    "source_name",
 ]

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-import concurrent.futures as cf
+import statistics
+import threading
+import time
 from dataclasses import dataclass, field
 
 from tiers import keys
@@ -10,7 +12,9 @@ from tiers.base import Tier
 from tiers.errors import KeyNotFoundError, ManifestError, TierError
 from tiers.manifest import Manifest
 
-__all__ = ["StepInTier", "TierInventory", "scan_tier", "scan_tiers", "read_manifest"]
+from .costs import source_name
+
+__all__ = ["StepInTier", "TierInventory", "read_manifest", "scan_tier", "scan_tiers"]
 
 
 @dataclass
@@ -40,11 +44,17 @@ class StepInTier:
 
 @dataclass
 class TierInventory:
-    """A tier's view: ``steps[job][step]``, or ``error`` if the tier could not be listed."""
+    """A tier's view: ``steps[job][step]``, or ``error`` if the tier could not be listed.
+
+    ``latency``: median seconds of the tier's manifest reads during the scan
+    (small reads, so near the tier's latency: a sample for the cost model), or
+    None when no manifest was read.
+    """
 
     tier: Tier
     steps: dict[str, dict[int, StepInTier]] = field(default_factory=dict)
     error: BaseException | None = None
+    latency: float | None = None
 
     @property
     def name(self) -> str:
@@ -84,16 +94,21 @@ def scan_tier(tier: Tier, job: str | None = None, *, with_sizes: bool = True) ->
             st.has_manifest = True
         else:
             st.shards[info.rank] = -1
+    took: list[float] = []
     for job_steps in inv.steps.values():
         for st in job_steps.values():
-            _fill(tier, st, with_sizes)
+            _fill(tier, st, with_sizes, took)
+    inv.latency = statistics.median(took) if took else None
     return inv
 
 
-def _fill(tier: Tier, st: StepInTier, with_sizes: bool) -> None:
+def _fill(tier: Tier, st: StepInTier, with_sizes: bool, took: list[float]) -> None:
     if st.has_manifest:
         try:
-            st.manifest = read_manifest(tier, st.job, st.step)
+            t0 = time.perf_counter()
+            data = tier.get(keys.manifest_key(st.job, st.step))
+            took.append(time.perf_counter() - t0)
+            st.manifest = Manifest.from_bytes(data, job=st.job, step=st.step)
             st.mtime = st.manifest.created
         except ManifestError as e:
             st.problem = str(e)
@@ -112,15 +127,36 @@ def _fill(tier: Tier, st: StepInTier, with_sizes: bool) -> None:
 
 
 def scan_tiers(tiers: list[Tier], job: str | None = None, timeout: float = 30.0) -> list[TierInventory]:
-    """Scan several tiers in parallel; a tier that does not answer in ``timeout`` s is marked failed."""
-    with cf.ThreadPoolExecutor(max_workers=max(1, len(tiers))) as pool:
-        futs = [pool.submit(scan_tier, t, job) for t in tiers]
-        out = []
-        for t, f in zip(tiers, futs):
-            try:
-                out.append(f.result(timeout=timeout))
-            except cf.TimeoutError:
-                inv = TierInventory(t)
-                inv.error = TimeoutError(f"{t.name} tier did not answer within {timeout:.0f} s")
-                out.append(inv)
-        return out
+    """Scan several tiers in parallel, one inventory per tier in the given order.
+
+    A tier whose scan has not finished ``timeout`` seconds after the call began
+    is marked failed (``error`` is a TimeoutError) and left behind: the call
+    returns after at most about ``timeout`` seconds however many tiers hang.
+    An error other than a tier's own (a bug) is raised here.
+    """
+    results: list[TierInventory | BaseException | None] = [None] * len(tiers)
+
+    def scan(i: int, t: Tier) -> None:
+        try:
+            results[i] = scan_tier(t, job)
+        except BaseException as e:  # noqa: BLE001 - raised in the caller's thread below
+            results[i] = e
+
+    # Daemon threads rather than an executor: an executor's workers are joined
+    # when the interpreter exits, so a hung tier would still hold the process.
+    threads = [threading.Thread(target=scan, args=(i, t), name=f"tierckpt-scan-{t.name}", daemon=True)
+               for i, t in enumerate(tiers)]
+    deadline = time.monotonic() + timeout
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(max(0.0, deadline - time.monotonic()))
+    out = []
+    for t, r in zip(tiers, list(results)):
+        if isinstance(r, BaseException):
+            raise r
+        if r is None:  # still scanning: left behind
+            r = TierInventory(t)
+            r.error = TimeoutError(f"the {t.name} tier ({source_name(t)}) did not answer within {timeout:g} s")
+        out.append(r)
+    return out

@@ -2,7 +2,9 @@
 
 Tiers are given in cost order (cheapest first: memory, peer, disk, s3). For
 each shard the plan lists every tier that holds it at the right size, cheapest
-first; the fetcher tries them in that order.
+first; the fetcher tries them in that order. Given a :class:`~recovery.costs.CostModel`,
+each shard's sources are ordered by its estimate for that shard's size instead
+(ties keep the given order).
 """
 
 from __future__ import annotations
@@ -12,9 +14,10 @@ from dataclasses import dataclass, field
 from tiers.base import Tier
 from tiers.manifest import Manifest
 
+from .costs import CostModel
 from .inventory import TierInventory
 
-__all__ = ["StepNotFoundError", "JobNotFoundError", "RestorePlan", "complete_steps", "plan_restore"]
+__all__ = ["JobNotFoundError", "RestorePlan", "StepNotFoundError", "complete_steps", "plan_restore"]
 
 
 class JobNotFoundError(FileNotFoundError):
@@ -27,13 +30,18 @@ class StepNotFoundError(FileNotFoundError):
 
 @dataclass
 class RestorePlan:
-    """What to restore: ``manifest`` of ``step`` and, per rank, the tiers to read it from in order."""
+    """What to restore: ``manifest`` of ``step`` and, per rank, the tiers to read it from in order.
+
+    ``estimates`` maps rank → the cost model's seconds for reading the shard
+    from its first source; empty when the plan was made without a cost model.
+    """
 
     job: str
     step: int
     manifest: Manifest
     manifest_tier: Tier
     sources: dict[int, list[Tier]] = field(default_factory=dict)
+    estimates: dict[int, float] = field(default_factory=dict)
 
 
 def _candidates(invs: list[TierInventory], job: str) -> dict[int, tuple[Manifest, Tier]]:
@@ -47,7 +55,7 @@ def _candidates(invs: list[TierInventory], job: str) -> dict[int, tuple[Manifest
 
 
 def _sources(invs: list[TierInventory], job: str, step: int, m: Manifest,
-             ranks: list[int] | None = None) -> dict[int, list[Tier]] | None:
+             ranks: list[int] | None = None, costs: CostModel | None = None) -> dict[int, list[Tier]] | None:
     sources: dict[int, list[Tier]] = {}
     for shard in m.shards:
         if ranks is not None and shard.rank not in ranks:
@@ -59,7 +67,7 @@ def _sources(invs: list[TierInventory], job: str, step: int, m: Manifest,
                 where.append(inv.tier)
         if not where:
             return None
-        sources[shard.rank] = where
+        sources[shard.rank] = costs.order(where, shard.size) if costs is not None else where
     return sources
 
 
@@ -70,11 +78,14 @@ def complete_steps(invs: list[TierInventory], job: str, ranks: list[int] | None 
 
 
 def plan_restore(invs: list[TierInventory], job: str, step: int | None = None,
-                 ranks: list[int] | None = None) -> RestorePlan:
+                 ranks: list[int] | None = None, costs: CostModel | None = None) -> RestorePlan:
     """Plan the restore of ``step`` (the newest complete one if None) for ``ranks`` (all if None).
 
     A rank of a job restarted with the same world size reads only its own
     shard, so it passes ``ranks=[rank]`` and needs only that shard reachable.
+    With ``costs`` each shard's sources are ordered by ``costs.order`` for the
+    shard's size and ``RestorePlan.estimates`` is filled; without, they keep
+    the order of ``invs``.
 
     Raises JobNotFoundError when no tier knows the job, StepNotFoundError when
     the step is not complete anywhere (the message lists the steps that are).
@@ -89,9 +100,11 @@ def plan_restore(invs: list[TierInventory], job: str, step: int | None = None,
         if s not in cands:
             break
         m, mt = cands[s]
-        src = _sources(invs, job, s, m, ranks)
+        src = _sources(invs, job, s, m, ranks, costs)
         if src is not None:
-            return RestorePlan(job, s, m, mt, src)
+            est = {} if costs is None else \
+                {r: costs.estimate(where[0], m.shard(r).size) for r, where in src.items()}
+            return RestorePlan(job, s, m, mt, src, est)
     done = complete_steps(invs, job, ranks)
     if step is None:
         raise StepNotFoundError(f"job {job!r} has no complete step in any tier (a save may have been cut short)")
