@@ -36,7 +36,7 @@ from agents.config import Settings
 from agents.launch import connect_or_spawn
 from agents.replication import peer_tiers
 from agents.protocol import AgentClient, AgentError, AgentUnreachableError
-from recovery import RestorePlan, ShardReport, open_shard, plan_restore, scan_tiers
+from recovery import RestorePlan, ShardReport, node_costs, open_shard, plan_restore, scan_tiers, source_name
 from recovery.planner import StepNotFoundError
 from tiers import keys
 from tiers.base import Tier
@@ -528,15 +528,29 @@ class Checkpointer:
             self._client.call("rewind", job=self.job, step=agreed)
         except AgentError as e:
             log.warning("the agent could not drop steps after %d: %s", agreed, e)
-        plan = plan_restore(invs, self.job, agreed, [self.rank])
+        costs, costs_file = node_costs(self.settings.shm, invs)
+        plan = plan_restore(invs, self.job, agreed, [self.rank], costs=costs)
         if plan.manifest.world != self.world:
-            reports = self._load_resharded(plan_restore(invs, self.job, agreed), state)
+            reports = self._load_resharded(plan_restore(invs, self.job, agreed, costs=costs), state)
         else:
             reports = [self._load(plan, state)]
+        self._learn(costs, costs_file, reports)
         self.last_restore = RestoreReport(agreed, reports, time.perf_counter() - t0)
         log.info("rank %d restored %s step %d from %s in %.3f s", self.rank, self.job, agreed,
                  ", ".join(sorted({r.tier for r in reports})) or "nowhere", self.last_restore.seconds)
         return agreed
+
+    @staticmethod
+    def _learn(costs: Any, path: str | None, reports: list[ShardReport]) -> None:
+        """Feed this restore's transfers to the node's cost model, so the next restore orders sources by them."""
+        for r in reports:
+            if r.source and r.nbytes:
+                costs.observe(r.source, r.nbytes, r.seconds, kind=r.tier)
+        if path is not None:
+            try:
+                costs.save(path)
+            except OSError as e:
+                log.warning("could not save the learned restore costs to %s: %s", path, e)
 
     def _await_prefetch(self) -> None:
         """Let a replacement node's agent finish pulling this node's shards from its peers (warm restore).
@@ -688,7 +702,7 @@ class Checkpointer:
                     self._fill(leaf, by_name[leaf.name], None)
         for apply in flat.appliers:
             apply()
-        return ShardReport(self.rank, tier.name, info.size, time.perf_counter() - t0)
+        return ShardReport(self.rank, tier.name, info.size, time.perf_counter() - t0, source=source_name(tier))
 
     @staticmethod
     def _target(plan: RestorePlan, state: dict, info: Any) -> tuple[dict, Flat]:

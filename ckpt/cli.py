@@ -21,13 +21,13 @@ from typing import Any
 from agents.config import Settings, SettingsError
 from agents.protocol import AgentClient, AgentError, AgentUnreachableError
 from recovery import (
-    CostModel,
     JobNotFoundError,
     StepNotFoundError,
     fetch_shards,
     plan_restore,
     scan_tiers,
 )
+from recovery.costs import node_costs
 from recovery.fetch import ShardUnavailableError
 from recovery.planner import complete_steps
 from tiers import keys
@@ -44,8 +44,6 @@ EXIT_ERROR = 1
 EXIT_USAGE = 2
 EXIT_CORRUPT = 3
 
-#: the learned restore costs, kept beside the memory tier's objects (a dot-file: never listed as a key)
-COSTS_FILE = ".costs.json"
 
 
 class CliError(Exception):
@@ -219,7 +217,7 @@ def cmd_show(a: argparse.Namespace) -> int:
     job = keys.check_job(a.job)
     s = _settings(a)
     invs = _inventories(s, job)
-    plan = plan_restore(invs, job, a.step, costs=_cost_model(s, invs)[0])
+    plan = plan_restore(invs, job, a.step, costs=node_costs(s.shm, invs)[0])
     m = plan.manifest
     print(f"job {job}  step {m.step}  world {m.world}  {_fmt_bytes(m.total_bytes)}  "
           f"saved {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(m.created))}  by {m.library} v{m.version}")
@@ -352,16 +350,6 @@ def _parse_size(text: str) -> int:
     return n
 
 
-def _cost_model(s: Settings, invs: list) -> tuple[CostModel, str | None]:
-    """The learned costs kept in the memory folder (priors if none), fed the scan's manifest-read latencies."""
-    path = os.path.join(s.shm, COSTS_FILE) if os.path.isdir(s.shm) else None
-    costs = CostModel.load(path) if path else CostModel()
-    for inv in invs:
-        if inv.latency is not None:
-            costs.observe(inv.tier, 0, inv.latency)
-    return costs, path
-
-
 def _anon_buffer(n: int) -> memoryview:
     # anonymous memory: no zero-fill pass, and unmapped as soon as the last view goes
     return memoryview(mmap.mmap(-1, n) if n else bytearray(0))
@@ -376,7 +364,7 @@ def cmd_restore(a: argparse.Namespace) -> int:
     job = keys.check_job(a.job)
     s = _settings(a)
     invs = _inventories(s, job)
-    costs, costs_path = _cost_model(s, invs)
+    costs, costs_path = node_costs(s.shm, invs)
     plan = plan_restore(invs, job, a.step, costs=costs)
     m = plan.manifest
     out: dict[str, Any] = {}

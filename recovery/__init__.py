@@ -1,6 +1,6 @@
 """recovery: inventory of every tier, the cost model, the restore planner and the verified fetcher. Torch-free."""
 
-from .costs import CostModel, SourceCost, source_name
+from .costs import CostModel, SourceCost, node_costs, source_name
 from .fetch import (
     OpenShard,
     ShardReport,
@@ -32,6 +32,7 @@ __all__ = [
     "complete_steps",
     "fetch_shard",
     "fetch_shards",
+    "node_costs",
     "open_shard",
     "plan_restore",
     "read_manifest",

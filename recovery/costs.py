@@ -282,3 +282,22 @@ class CostModel:
             if now - e.updated <= max_age:
                 model.sources[key] = e
         return model
+
+
+#: the learned restore costs, kept beside the memory tier's objects (a dot-file: never listed as a key)
+COSTS_FILE = ".costs.json"
+
+
+def node_costs(shm: str, invs: Sequence[object] = ()) -> tuple[CostModel, str | None]:
+    """This node's learned costs, kept in its memory folder ``shm`` (priors when none were saved or the
+    folder does not exist), fed the manifest-read latencies that the inventories ``invs`` measured.
+
+    Returns the model and the file to :meth:`CostModel.save` it to after the restore (None: no folder).
+    """
+    path = os.path.join(shm, COSTS_FILE) if os.path.isdir(shm) else None
+    costs = CostModel.load(path) if path else CostModel()
+    for inv in invs:
+        latency = getattr(inv, "latency", None)
+        if latency is not None:
+            costs.observe(inv.tier, 0, latency)
+    return costs, path

@@ -236,3 +236,35 @@ def test_warm_restore_takes_the_newest_step_the_peers_hold_in_full(cluster):
     rep = agent_call(c.shm(0), "prefetch", timeout=30)
     assert rep["state"] == "done" and rep["steps"] == {"short": 4}, rep
     assert c.holds(0, "short", 4) and not c.holds(0, "short", 5)
+
+
+def test_restore_orders_sources_by_the_costs_this_node_learned(cluster, tmp_path):
+    """Node 0 comes back with its disk but not its memory. By the priors the peer's memory comes before the
+    disk; once this node has seen the peer slow (its learned costs say so), its ranks read the disk."""
+    from recovery.costs import COSTS_FILE, CostModel
+
+    c = cluster(2)
+    disk = str(tmp_path / "node0-disk")
+    c.kill(0)
+    c.args += ["--no-prefetch"]
+    c.procs[0] = start_agent(c.shm(0), "--node-rank", "0", *c.args, "--disk", disk)
+    model = torch.nn.Linear(256, 256)
+    with ckpt.Checkpointer("cost", shm=c.shm(0), spawn=False) as ck:
+        ck.save(1, {"model": model}).wait()
+    c.wait_for(lambda: c.holds(1, "cost", 1), "the replica on node 1")
+    c.kill(0)
+    c.procs[0] = start_agent(c.shm(0), "--node-rank", "0", *c.args, "--disk", disk)
+    fresh = torch.nn.Linear(256, 256)
+    with ckpt.Checkpointer("cost", shm=c.shm(0), spawn=False) as ck:
+        assert ck.restore({"model": fresh}) == 1
+        first = ck.last_restore.shards[0]
+        assert first.tier == "peer", ck.last_restore.shards
+    learned = CostModel.load(os.path.join(c.shm(0), COSTS_FILE))
+    assert learned.sources[first.source].count >= 1  # the real transfer was recorded
+    for _ in range(5):  # the peer turned slow: 1 MiB took a second each time
+        learned.observe(first.source, 1 << 20, 1.0, kind="peer")
+    learned.save(os.path.join(c.shm(0), COSTS_FILE))
+    with ckpt.Checkpointer("cost", shm=c.shm(0), spawn=False) as ck:
+        assert ck.restore({"model": fresh}) == 1
+        assert ck.last_restore.tiers == ["disk"], ck.last_restore.shards
+    assert torch.equal(fresh.weight, model.weight) and torch.equal(fresh.bias, model.bias)
