@@ -65,6 +65,11 @@ class StateMismatchError(KeyError):
         return str(self.args[0]) if self.args else ""
 
 
+#: bytes one copier thread reads before the restore hashes them (large enough that per-batch overhead is
+#: small, small enough that hashing the last batch after the reads end is short)
+_READ_BATCH = 16 << 20
+
+
 def _warn_restart_store(rank: int) -> None:
     """Say so when torchrun will restart ranks that cannot form a process group again.
 
@@ -670,20 +675,38 @@ class Checkpointer:
                 pos = off + entry.nbytes
             if pos < info.size:
                 pieces.append((pos, memoryview(bytearray(info.size - pos)), None))
-            # the reads run on several threads (preadv releases the GIL), split by bytes; the hash is in order
-            parts: list[list] = [[] for _ in range(len(self._copiers))]
-            loads = [0] * len(parts)
-            for piece in sorted(pieces, key=lambda p: -len(p[1])):
-                i = loads.index(min(loads))
-                parts[i].append(piece)
-                loads[i] += len(piece[1])
-            futs = [pool.submit(lambda part=part: [read_into(mv, at) for at, mv, _ in part])
-                    for pool, part in zip(self._copiers, parts) if part]
-            for f in futs:
-                f.result()
+            # the reads run on the copier threads (preadv releases the GIL) in shard order, a batch of up to
+            # _READ_BATCH bytes at a time, round robin; this thread hashes each batch as soon as it is in,
+            # so the checksum pass overlaps the reads instead of following them
+            batches: list[list[tuple[int, memoryview]]] = [[]]
+            filled = 0
+            for at, mv, _ in pieces:
+                for lo in range(0, len(mv), _READ_BATCH):
+                    part = mv[lo:lo + _READ_BATCH]
+                    if filled and filled + len(part) > _READ_BATCH:
+                        batches.append([])
+                        filled = 0
+                    batches[-1].append((at + lo, part))
+                    filled += len(part)
+
+            def read_batch(batch: list[tuple[int, memoryview]]) -> None:
+                for at, mv in batch:
+                    read_into(mv, at)
+
+            futs = [self._copiers[i % len(self._copiers)].submit(read_batch, b) for i, b in enumerate(batches)]
+            try:
+                for batch, f in zip(batches, futs):
+                    f.result()
+                    for _, mv in batch:
+                        hasher.update(mv)
+            finally:
+                for f in futs:
+                    f.cancel()
+                for f in futs:
+                    if not f.cancelled():
+                        f.exception()  # a read still running writes into the tensors: let it end first
             with torch.no_grad():
                 for _, mv, staged in pieces:
-                    hasher.update(mv)
                     if staged is not None:
                         staged[0].copy_(staged[1])
         except OSError as e:
