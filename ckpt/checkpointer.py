@@ -223,16 +223,35 @@ class Checkpointer:
     # ------------------------------------------------------------------ tiers
     def tiers(self) -> list[Tier]:
         """The tiers to restore from, cheapest first: memory, the other nodes' memory, disk, S3."""
+        return self._near_tiers() + self._far_tiers()
+
+    def _near_tiers(self) -> list[Tier]:
         out: list[Tier] = [MemoryTier(self.settings.shm)]
         out += peer_tiers(self.settings)
         if self.settings.disk:
             out.append(DiskTier(self.settings.disk, compress=self.settings.compress))
-        if self.settings.s3:
-            from tiers.s3 import S3Tier
-
-            out.append(S3Tier.from_url(self.settings.s3, endpoint_url=self.settings.s3_endpoint,
-                                       retry_deadline=min(self.settings.s3_retry_deadline, 30.0)))
         return out
+
+    def _far_tiers(self) -> list[Tier]:
+        if not self.settings.s3:
+            return []
+        from tiers.s3 import S3Tier
+
+        return [S3Tier.from_url(self.settings.s3, endpoint_url=self.settings.s3_endpoint,
+                                retry_deadline=min(self.settings.s3_retry_deadline, 30.0))]
+
+    def _far_may_be_newer(self, near_newest: int) -> bool:
+        """Whether S3 could hold a step of this job newer than ``near_newest`` (this rank's newest step in
+        memory, peers and disk). The node agent knows the newest step of the job any tier could hold (what
+        it found at start-up, then every commit here and every commit record from its peers), so a restore
+        that memory can serve needs no S3 client and no S3 listing. Without that knowledge: True."""
+        if not self.settings.s3:
+            return False
+        try:
+            r = self._client.call("lower", job=self.job)
+        except AgentError:
+            return True
+        return not r.get("known") or int(r["newest"]) > near_newest
 
     # ------------------------------------------------------------------ errors
     def _collect(self, resp: dict) -> None:
@@ -505,11 +524,22 @@ class Checkpointer:
         """
         t0 = time.perf_counter()
         self._await_prefetch()
-        tiers = self.tiers()
-        invs = scan_tiers(tiers, self.job)
         from recovery.planner import complete_steps
 
+        # memory, peers and disk first; S3 (a client to create, a prefix to list) only when it may matter
+        invs = scan_tiers(self._near_tiers(), self.job)
         steps = complete_steps(invs, self.job, [self.rank])
+        far = self.settings.s3 is not None
+
+        def add_far() -> list[int]:
+            nonlocal invs, far
+            far = False
+            invs = invs + scan_tiers(self._far_tiers(), self.job)
+            return complete_steps(invs, self.job, [self.rank])
+
+        if far and ((step is not None and step not in steps)
+                    or self._far_may_be_newer(steps[-1] if steps else -1)):
+            steps = add_far()
         if step is None:
             mine = steps[-1] if steps else -1
         else:
@@ -523,6 +553,8 @@ class Checkpointer:
             t = torch.tensor([mine], dtype=torch.int64)
             dist.all_reduce(t, op=dist.ReduceOp.MIN)
             agreed = int(t.item())
+            if agreed != mine and agreed >= 0 and agreed not in steps and far:
+                steps = add_far()  # another rank can reach only an older step: S3 may hold it for this one
             if agreed != mine and agreed >= 0 and agreed not in steps:
                 raise StepNotFoundError(f"rank {self.rank} cannot reach step {agreed} that the other ranks agreed on")
         if agreed < 0:
