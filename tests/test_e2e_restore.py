@@ -155,6 +155,8 @@ def test_restart_with_another_world_size_reshards_through_dcp_exactly(tmp_path, 
     for rank in range(restored):
         ev = read_events(f"{tmp_path / f'ev{restored}'}.{rank}")
         assert [e["restored"] for e in ev if "restored" in e] == [3]
+        # the resharded restore reads the byte ranges it needs from the saved ranks' shards in local memory
+        assert {t for e in ev if "restored" in e for t in e["tiers"]} == {"memory"}
         assert not [e for e in ev if "step" in e]  # nothing left to train: the state is exactly the saved one
         assert_same_state(torch.load(f"{tmp_path / 'after'}.{rank}", weights_only=True),
                           torch.load(f"{tmp_path / 'before'}.0", weights_only=True))
