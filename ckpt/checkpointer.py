@@ -20,6 +20,7 @@ the rest (checksum, manifest, disk, S3) in its own process.
 from __future__ import annotations
 
 import concurrent.futures as cf
+import contextlib
 import logging
 import mmap
 import os
@@ -27,7 +28,7 @@ import threading
 import time
 import warnings
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -68,6 +69,44 @@ class StateMismatchError(KeyError):
 #: bytes one copier thread reads before the restore hashes them (large enough that per-batch overhead is
 #: small, small enough that hashing the last batch after the reads end is short)
 _READ_BATCH = 16 << 20
+
+
+@contextlib.contextmanager
+def _direct_reader(tier: Tier, key: str, size: int):
+    """A function that fills a batch of contiguous ``(offset, view)`` pieces of ``key`` from ``tier`` without a
+    buffer of its own, or None when the tier cannot: ``preadv`` from the tier's local file, or the tier's
+    ranged reads (one request per batch)."""
+    path = getattr(tier, "local_file", lambda k: None)(key)
+    if path is not None:
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except OSError:
+            yield None
+            return
+        try:
+            if os.fstat(fd).st_size != size:
+                raise_ = OSError(f"{path} is {os.fstat(fd).st_size} bytes, the manifest says {size}")
+
+                def read_batch(batch: list[tuple[int, memoryview]]) -> None:
+                    raise raise_
+            else:
+                def read_batch(batch: list[tuple[int, memoryview]]) -> None:
+                    for at, mv in batch:
+                        done = 0
+                        while done < len(mv):
+                            n = os.preadv(fd, [mv[done:]], at + done)
+                            if n <= 0:
+                                raise OSError(f"{path} ended early")
+                            done += n
+            yield read_batch
+        finally:
+            os.close(fd)
+        return
+    ranges = getattr(tier, "read_ranges", None)
+    if ranges is None:
+        yield None
+        return
+    yield lambda batch: ranges(key, batch)
 
 
 def _warn_restart_store(rank: int) -> None:
@@ -643,17 +682,19 @@ class Checkpointer:
 
     def _load(self, plan: RestorePlan, state: dict) -> ShardReport:
         info = plan.manifest.shard(self.rank)
-        sources = plan.sources.get(self.rank, [])
-        first = sources[0] if sources else None
-        path = getattr(first, "local_file", lambda k: None)(keys.shard_key(plan.job, plan.step, self.rank)) \
-            if first is not None and info.size else None
-        if path is not None and self.verify:
-            report = self._load_direct(plan, state, info, first, path)
+        key = keys.shard_key(plan.job, plan.step, self.rank)
+        rest = list(plan.sources.get(self.rank, []))
+        # sources that can read byte ranges straight into the tensors go first, as the plan orders them;
+        # the first one that cannot ends the direct attempts, and the rest go through a buffer
+        while rest and info.size:
+            with _direct_reader(rest[0], key, info.size) as read_batch:
+                if read_batch is None:
+                    break
+                report = self._load_direct(plan, state, info, rest[0], read_batch)
             if report is not None:
                 return report
-            # the local copy is damaged: fall back to the other tiers, in order
-            plan = RestorePlan(plan.job, plan.step, plan.manifest, plan.manifest_tier,
-                               {**plan.sources, self.rank: sources[1:]})
+            rest = rest[1:]  # damaged or unreachable there: the next place, in order
+        plan = RestorePlan(plan.job, plan.step, plan.manifest, plan.manifest_tier, {**plan.sources, self.rank: rest})
         keep: list[torch.Tensor] = []
         shard = open_shard(plan, self.rank, buffer_allocator(keep), verify=self.verify)
         try:
@@ -661,12 +702,15 @@ class Checkpointer:
         finally:
             shard.close()
 
-    def _load_direct(self, plan: RestorePlan, state: dict, info: Any, tier: Tier, path: str) -> ShardReport | None:
-        """Read a local shard file straight into the state's tensors and hash what was read.
+    def _load_direct(self, plan: RestorePlan, state: dict, info: Any, tier: Tier,
+                     read_batch: Callable[[list[tuple[int, memoryview]]], None]) -> ShardReport | None:
+        """Read the shard's bytes straight into the state's tensors and hash what was read.
 
-        One kernel copy per tensor (``preadv`` into the tensor's memory) and one checksum pass, with no
-        mapping of the file: on tmpfs, faulting a mapping's page tables in costs more than the copy.
-        Returns None, with the tensors possibly half-written, when the checksum does not match.
+        ``read_batch`` fills a batch of contiguous ``(shard offset, view)`` pieces, in order: ``preadv``
+        from a local file (memory, uncompressed disk), or one ranged request to a peer. One copy per
+        byte, no intermediate buffer, no mapping (on tmpfs, faulting a mapping's page tables in costs more
+        than the copy). Returns None, with the tensors possibly half-written, when a read fails or the
+        checksum does not match.
         """
         t0 = time.perf_counter()
         by_name, flat = self._target(plan, state, info)
@@ -680,78 +724,60 @@ class Checkpointer:
         from tiers.checksum import Hasher
 
         hasher = Hasher()
-        fd = os.open(path, os.O_RDONLY)
+        pos = 0
+        # every byte range of the shard, in order: (offset, destination view, tensor to copy to or None)
+        pieces: list[tuple[int, memoryview, Any]] = []
+        for off in sorted(targets):
+            leaf, entry = targets[off]
+            if off > pos:
+                pieces.append((pos, memoryview(bytearray(off - pos)), None))
+            local = _local(leaf.tensor)[0]
+            direct = local.is_contiguous() and local.device.type == "cpu"
+            dst = local if direct else torch.empty(entry.shape, dtype=local.dtype)
+            pieces.append((off, _buffer_view(dst.data_ptr(), entry.nbytes), None if direct else (local, dst)))
+            pos = off + entry.nbytes
+        if pos < info.size:
+            pieces.append((pos, memoryview(bytearray(info.size - pos)), None))
+        # the reads run on the copier threads (they release the GIL) in shard order, a batch of up to
+        # _READ_BATCH bytes at a time, round robin; this thread hashes each batch as soon as it is in,
+        # so the checksum pass overlaps the reads instead of following them
+        batches: list[list[tuple[int, memoryview]]] = [[]]
+        filled = 0
+        for at, mv, _ in pieces:
+            for lo in range(0, len(mv), _READ_BATCH):
+                part = mv[lo:lo + _READ_BATCH]
+                if filled and filled + len(part) > _READ_BATCH:
+                    batches.append([])
+                    filled = 0
+                batches[-1].append((at + lo, part))
+                filled += len(part)
+        futs = [self._copiers[i % len(self._copiers)].submit(read_batch, b) for i, b in enumerate(batches)]
         try:
-            if os.fstat(fd).st_size != info.size:
-                return None
-            pos = 0
-
-            def read_into(mv: memoryview, at: int) -> None:
-                done = 0
-                while done < len(mv):
-                    n = os.preadv(fd, [mv[done:]], at + done)
-                    if n <= 0:
-                        raise OSError(f"{path} ended early")
-                    done += n
-
-            # every byte range of the shard, in order: (offset, destination view, tensor to copy to or None)
-            pieces: list[tuple[int, memoryview, Any]] = []
-            for off in sorted(targets):
-                leaf, entry = targets[off]
-                if off > pos:
-                    pieces.append((pos, memoryview(bytearray(off - pos)), None))
-                local = _local(leaf.tensor)[0]
-                direct = local.is_contiguous() and local.device.type == "cpu"
-                dst = local if direct else torch.empty(entry.shape, dtype=local.dtype)
-                pieces.append((off, _buffer_view(dst.data_ptr(), entry.nbytes), None if direct else (local, dst)))
-                pos = off + entry.nbytes
-            if pos < info.size:
-                pieces.append((pos, memoryview(bytearray(info.size - pos)), None))
-            # the reads run on the copier threads (preadv releases the GIL) in shard order, a batch of up to
-            # _READ_BATCH bytes at a time, round robin; this thread hashes each batch as soon as it is in,
-            # so the checksum pass overlaps the reads instead of following them
-            batches: list[list[tuple[int, memoryview]]] = [[]]
-            filled = 0
-            for at, mv, _ in pieces:
-                for lo in range(0, len(mv), _READ_BATCH):
-                    part = mv[lo:lo + _READ_BATCH]
-                    if filled and filled + len(part) > _READ_BATCH:
-                        batches.append([])
-                        filled = 0
-                    batches[-1].append((at + lo, part))
-                    filled += len(part)
-
-            def read_batch(batch: list[tuple[int, memoryview]]) -> None:
-                for at, mv in batch:
-                    read_into(mv, at)
-
-            futs = [self._copiers[i % len(self._copiers)].submit(read_batch, b) for i, b in enumerate(batches)]
-            try:
-                for batch, f in zip(batches, futs):
-                    f.result()
+            for batch, f in zip(batches, futs):
+                f.result()
+                if self.verify:
                     for _, mv in batch:
                         hasher.update(mv)
-            finally:
-                for f in futs:
-                    f.cancel()
-                for f in futs:
-                    if not f.cancelled():
-                        f.exception()  # a read still running writes into the tensors: let it end first
-            with torch.no_grad():
-                for _, mv, staged in pieces:
-                    if staged is not None:
-                        staged[0].copy_(staged[1])
         except OSError as e:
-            log.warning("restore of rank %d from %s failed, trying the next tier: %s", self.rank, tier.name, e)
+            log.warning("restore of rank %d from %s failed, trying the next place: %s", self.rank,
+                        source_name(tier), e)
             return None
         finally:
-            os.close(fd)
-        got = hasher.hexdigest()
-        if got != info.checksum:
-            log.warning("rank %d shard in %s has checksum %s, manifest says %s: trying the next tier",
-                        self.rank, tier.name, got, info.checksum)
-            return None
+            for f in futs:
+                f.cancel()
+            for f in futs:
+                if not f.cancelled():
+                    f.exception()  # a read still running writes into the tensors: let it end first
+        if self.verify:
+            got = hasher.hexdigest()
+            if got != info.checksum:
+                log.warning("rank %d shard in %s has checksum %s, manifest says %s: trying the next place",
+                            self.rank, source_name(tier), got, info.checksum)
+                return None
         with torch.no_grad():
+            for _, mv, staged in pieces:
+                if staged is not None:
+                    staged[0].copy_(staged[1])
             for leaf in flat.leaves:
                 if leaf.tensor is None:
                     self._fill(leaf, by_name[leaf.name], None)

@@ -270,3 +270,31 @@ def test_restore_orders_sources_by_the_costs_this_node_learned(cluster, tmp_path
         assert ck.restore({"model": fresh}) == 1
         assert ck.last_restore.tiers == ["disk"], ck.last_restore.shards
     assert torch.equal(fresh.weight, model.weight) and torch.equal(fresh.bias, model.bias)
+
+
+def test_a_corrupt_peer_copy_read_straight_into_the_tensors_falls_back_to_disk(cluster, tmp_path):
+    """The peer's bytes land in the tensors themselves; a flipped byte there fails the checksum and the
+    rank reads its disk instead, ending with the saved values."""
+    c = cluster(2)
+    disk = str(tmp_path / "node0-disk")
+    c.kill(0)
+    c.args += ["--no-prefetch"]
+    c.procs[0] = start_agent(c.shm(0), "--node-rank", "0", *c.args, "--disk", disk)
+    torch.manual_seed(3)
+    model = torch.nn.Linear(128, 128)
+    with ckpt.Checkpointer("flip", shm=c.shm(0), spawn=False) as ck:
+        ck.save(1, {"model": model}).wait()
+    c.wait_for(lambda: c.holds(1, "flip", 1), "the replica on node 1")
+    c.kill(0)
+    replica = os.path.join(c.shm(1), "flip", "step-1", "rank-0.shard")
+    with open(replica, "r+b") as f:
+        f.seek(1000)
+        b = f.read(1)
+        f.seek(1000)
+        f.write(bytes([b[0] ^ 0x40]))
+    c.procs[0] = start_agent(c.shm(0), "--node-rank", "0", *c.args, "--disk", disk)
+    fresh = torch.nn.Linear(128, 128)
+    with ckpt.Checkpointer("flip", shm=c.shm(0), spawn=False) as ck:
+        assert ck.restore({"model": fresh}) == 1
+        assert ck.last_restore.tiers == ["disk"]
+    assert torch.equal(fresh.weight, model.weight) and torch.equal(fresh.bias, model.bias)

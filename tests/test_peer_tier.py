@@ -162,6 +162,27 @@ def test_a_ranged_get_is_answered_206_with_its_content_range(peer_server):
     conn.close()
 
 
+def test_read_ranges_fills_contiguous_pieces_with_one_request_and_refuses_gaps(peer_server):
+    _, addr, memory = peer_server(SECRET)
+    key = shard_key("job", 2, 0)
+    data = payload(3_000_000, seed=5)
+    memory.put(key, data)
+    t = PeerTier(addr, secret=SECRET, node=0, timeout=10)
+    sizes = [1, 7, 0, 1 << 20, 123_457, 2]
+    bufs = [bytearray(n) for n in sizes]
+    pieces, at = [], 1000
+    for b in bufs:
+        pieces.append((at, memoryview(b)))
+        at += len(b)
+    assert t.read_ranges(key, pieces) == at - 1000
+    assert b"".join(bufs) == data[1000:at]
+    with pytest.raises(ValueError, match="not contiguous"):
+        t.read_ranges(key, [(0, memoryview(bytearray(4))), (5, memoryview(bytearray(4)))])
+    with pytest.raises(TierError):
+        t.read_ranges(key, [(len(data) - 2, memoryview(bytearray(4)))])  # past the end
+    t.close()
+
+
 def test_a_64_mib_put_from_a_file_goes_by_sendfile_and_reads_back_bit_exact(peer_server, tmp_path, monkeypatch):
     _, addr, memory = peer_server(SECRET)
     data = os.urandom(64 * MiB)

@@ -475,6 +475,32 @@ class PeerTier(TierBase):
                 raise self._past_end(key, offset, 0, size)
             return 0
 
+        return self._read_views(key, offset, [mv])
+
+    def read_ranges(self, key: str, pieces: list[tuple[int, memoryview]]) -> int:
+        """Fill contiguous pieces ``[(offset, view), ...]`` of ``key``, in ascending order, with one request.
+
+        The restore's fast path: the views are the destination tensors' own memory, so the bytes cross
+        the socket straight into them. Returns the bytes read; raises as :meth:`read_into`.
+        """
+        _check_key(key)
+        views = [memoryview(v).cast("B") for _, v in pieces]
+        if not views:
+            return 0
+        at = pieces[0][0]
+        if at < 0:
+            raise ValueError(f"negative offset {at}")
+        for (off, _), v in zip(pieces, views):
+            if off != at:
+                raise ValueError(f"pieces of {key} are not contiguous and ascending at offset {off}")
+            at += len(v)
+        if at == pieces[0][0]:
+            return self.read_into(key, memoryview(b""), pieces[0][0])
+        return self._read_views(key, pieces[0][0], views)
+
+    def _read_views(self, key: str, offset: int, views: list[memoryview]) -> int:
+        n = sum(len(v) for v in views)
+
         def attempt(conn: http.client.HTTPConnection) -> int:
             resp = self._exchange(conn, "GET", "/v1/o/" + key, headers={"Range": f"bytes={offset}-{offset + n - 1}"})
             if resp.status == 416:
@@ -492,11 +518,14 @@ class PeerTier(TierBase):
                 self._discard(resp)
                 raise self._past_end(key, offset, n, total)
             done = 0
-            while done < n:
-                got = resp.readinto(mv[done:])
-                if not got:
-                    raise http.client.IncompleteRead(done, n - done)
-                done += got
+            for mv in views:
+                filled = 0
+                while filled < len(mv):
+                    got = resp.readinto(mv[filled:])
+                    if not got:
+                        raise http.client.IncompleteRead(done + filled, n - done - filled)
+                    filled += got
+                done += filled
             return n
 
         return self._call(f"read of {key}", attempt)
