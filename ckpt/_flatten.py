@@ -145,9 +145,12 @@ def flatten_state(state: dict, *, for_restore: bool = False) -> Flat:
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
-    if hasattr(t, "to_local") and hasattr(t, "placements"):
-        # torch-xla's XLAShardedTensor is a DTensor whose to_local raises: its data is the global tensor
-        return t.global_tensor if hasattr(t, "global_tensor") else t.to_local()
+    if hasattr(t, "to_local"):
+        if hasattr(t, "global_tensor"):
+            # torch-xla's XLAShardedTensor is a DTensor whose to_local raises: its data is the global tensor
+            return t.global_tensor
+        if hasattr(t, "placements"):
+            return t.to_local()
     return t
 
 

@@ -90,13 +90,14 @@ def _warn_restart_store(rank: int) -> None:
 
 def _local(t: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...], tuple[int, ...]]:
     """(local tensor, global shape, offsets of the local chunk)."""
-    if hasattr(t, "placements") and hasattr(t, "to_local"):
+    if hasattr(t, "to_local"):
         if hasattr(t, "global_tensor"):  # torch-xla's XLAShardedTensor: saved whole (see ckpt._devices.xla)
             return t.global_tensor, tuple(t.shape), (0,) * t.dim()
-        local = t.to_local()
-        chunks = t.__create_chunk_list__()
-        offsets = tuple(chunks[0].offsets) if chunks else (0,) * t.dim()
-        return local, tuple(t.shape), offsets
+        if hasattr(t, "placements"):
+            local = t.to_local()
+            chunks = t.__create_chunk_list__()
+            offsets = tuple(chunks[0].offsets) if chunks else (0,) * t.dim()
+            return local, tuple(t.shape), offsets
     return t, tuple(t.shape), (0,) * t.dim()
 
 
@@ -376,9 +377,10 @@ class Checkpointer:
                 if group is None:
                     group = other[src.device.type] = ([], [])
                 group[1 if guarded else 0].append((src, off, n))
-        st = self._device("cpu").stage(cpu_now, cpu_later, buf)
-        now, later, waits = list(st.now), list(st.later), [st.done] if st.done else []
-        for device_type, (dnow, dlater) in other.items():
+        now: list[Item] = []
+        later: list[Item] = []
+        waits: list = []
+        for device_type, (dnow, dlater) in [("cpu", (cpu_now, cpu_later)), *other.items()]:
             ad = self._device(device_type)
             if buf is not None:
                 ad.prepare_host(buf)
@@ -452,7 +454,8 @@ class Checkpointer:
                 v = list(leaf.value) if isinstance(leaf.value, tuple) else leaf.value
                 entries.append(JsonEntry(leaf.name, v).to_json())
                 continue
-            local, gshape, offsets = _local(leaf.tensor.detach())
+            local, gshape, offsets = _local(leaf.tensor)
+            local = local.detach()
             n = local.numel() * local.element_size()
             off = (off + _ALIGN - 1) // _ALIGN * _ALIGN
             entries.append(TensorChunk(leaf.name, _dtype_name(local.dtype), gshape, offsets,
