@@ -455,7 +455,8 @@ class Checkpointer:
                 entries.append(JsonEntry(leaf.name, v).to_json())
                 continue
             local, gshape, offsets = _local(leaf.tensor)
-            local = local.detach()
+            if local.requires_grad:  # state-dict entries come detached; on XLA a detach is a traced op
+                local = local.detach()
             n = local.numel() * local.element_size()
             off = (off + _ALIGN - 1) // _ALIGN * _ALIGN
             entries.append(TensorChunk(leaf.name, _dtype_name(local.dtype), gshape, offsets,
