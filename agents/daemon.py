@@ -125,6 +125,12 @@ class Agent:
         self._errors: dict[str, list[str]] = {}
         self._draining: dict[tuple[str, int], set[str]] = {}
         self._settled: dict[tuple[str, int], asyncio.Event] = {}
+        #: per job, the newest step this agent has any sign of: objects in any tier at start-up, a shard
+        #: committed here, a peer's commit record. A step reaches disk or S3 only after it was committed in
+        #: some node's memory, and every live node is sent every commit record, so no tier can hold a newer
+        #: step of a job this agent has seen (unless it was cut off from its peers meanwhile)
+        self._seen_newest: dict[str, int] = {}
+        self._lower_known = False
         #: copies of local shards to peers still under way, per step (``wait`` waits for them too)
         self._copies: dict[tuple[str, int], set[asyncio.Future]] = {}
         self._queues: dict[str, asyncio.Queue] = {}
@@ -302,6 +308,11 @@ class Agent:
         """After a (re)start: drop steps never committed, re-queue drains a crash interrupted."""
         inv = await asyncio.to_thread(scan_tier, self.memory)
         lower = {t.name: await asyncio.to_thread(scan_tier, t) for t in self.lower}
+        for linv in [inv, *lower.values()]:
+            for job, steps in linv.steps.items():
+                if steps:
+                    self._seen(job, max(steps))
+        self._lower_known = all(linv.error is None for linv in lower.values())
         for job, steps in inv.steps.items():
             for step, st in sorted(steps.items()):
                 if st.manifest is None:
@@ -461,6 +472,7 @@ class Agent:
         if not isinstance(req.get("metadata", {}), dict):
             raise RequestError("metadata must be a JSON object")
         key = (job, step)
+        self._seen(job, step)
         pend = self._pending.get(key)
         if pend is None:
             if (job, step) in self._settled and self._settled[key].is_set():
@@ -604,6 +616,7 @@ class Agent:
         except (ValueError, KeyError, TypeError) as e:
             return web.Response(status=400, text=f"bad commit record: {e}\n")
         key = (job, step)
+        self._seen(job, step)
         if key in self._settled and self._settled[key].is_set() and key not in self._pending:
             return web.json_response({"known": True})
         pend = self._pending.get(key)
@@ -1110,6 +1123,17 @@ class Agent:
         except asyncio.TimeoutError:
             done = False
         return {"done": done, "errors": self._take_errors(job)}
+
+    def _seen(self, job: str, step: int) -> None:
+        if step > self._seen_newest.get(job, -1):
+            self._seen_newest[job] = step
+
+    async def _op_lower(self, conn: _Conn, req: dict) -> dict:
+        """The newest step of ``job`` that any tier could hold, as far as this agent knows: ``known`` is
+        False when the agent never saw the job or could not list every lower tier at start-up."""
+        job = keys.check_job(req["job"])
+        newest = self._seen_newest.get(job)
+        return {"known": self._lower_known and newest is not None, "newest": newest}
 
     async def _op_rewind(self, conn: _Conn, req: dict) -> dict:
         """The job resumed from ``step``: its later steps here belong to the run that failed; drop them.

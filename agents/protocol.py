@@ -19,8 +19,9 @@ Also: ``release`` (give a lease back), ``errors``, ``list``, ``status``,
 ``delete``, ``shutdown``; ``prefetch`` (the warm restore's report, waiting
 up to ``timeout`` s for it) and ``rewind`` (``job``, ``step``: the job
 resumed from ``step``, so later steps in memory are dropped), both called by
-a restore. A failed request answers ``{"ok": false, "error":
-<type>, "message": <one line>}``; the client raises :class:`AgentError`.
+a restore, and ``lower`` (``job``: the newest step of it that any tier could
+hold, as far as the agent knows, so a restore from memory can skip S3).
+A failed request answers ``{"ok": false, "error": <type>, "message": <one line>}``; the client raises :class:`AgentError`.
 Lines are limited to ``MAX_LINE`` bytes.
 """
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import mmap
 import os
+import secrets
 import shutil
 import socket
 import statistics
@@ -30,6 +31,7 @@ sys.path.insert(0, ROOT)
 
 from agents.config import socket_path_for  # noqa: E402
 from agents.protocol import AgentClient  # noqa: E402
+from tiers.wire import load_secret  # noqa: E402
 
 
 def free_port() -> int:
@@ -81,7 +83,7 @@ def cluster_files(work: str, n: int = 2) -> tuple[list[int], str, str]:
         f.write("".join(f"127.0.0.1:{p}\n" for p in ports))
     secret = os.path.join(work, "secret")
     fd = os.open(secret, os.O_WRONLY | os.O_CREAT, 0o600)
-    os.write(fd, os.urandom(32))
+    os.write(fd, secrets.token_hex(32).encode())  # text: load_secret strips trailing whitespace
     os.close(fd)
     return ports, peers, secret
 
@@ -146,7 +148,7 @@ def main() -> int:
 
         from tiers.peer import PeerTier
 
-        peer = PeerTier(f"127.0.0.1:{ports[1]}", secret=open(secret, "rb").read(), node=0, timeout=120)
+        peer = PeerTier(f"127.0.0.1:{ports[1]}", secret=load_secret(secret), node=0, timeout=120)
         put = []
         for i in range(a.runs + 1):
             t0 = time.perf_counter()

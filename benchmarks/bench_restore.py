@@ -3,11 +3,22 @@
     python benchmarks/bench_restore.py [--size-gib 1.0] [--runs 5]
 
 One checkpoint of a GPT-like model + AdamW state is saved through a node agent that has a peer, a disk
-folder and an S3 endpoint (moto's server on 127.0.0.1). Then the same step is restored into a fresh
-state from each tier alone (read, checksum-verify, copy into the tensors, load the state dicts) and
-timed, median of ``--runs``. Baselines from the same run: a copy of the same tensors between two warm
-buffers (the bound for a memory restore), a raw socket ``sendfile`` → ``recv_into`` of the same bytes
-between two processes (the bound for a peer restore), and ``dcp.load`` from a local folder.
+folder and an S3 endpoint (moto's server on 127.0.0.1). Then:
+
+1. the data path: the same step is restored into a fresh state from each tier alone (read,
+   checksum-verify, copy into the tensors, load the state dicts), median of ``--runs``;
+2. recovery, from restart to the first training step: what a restarted trainer pays, per tier, once
+   its process and model exist: connect to the node's agent (``Checkpointer(...)``), ``restore()``
+   (inventory of every tier the agent names, plan, fetch, verify, load) and one training step. Each
+   tier is the only one that holds the step for the agent the trainer talks to: the saving node's
+   agent (local memory), a third node's agent with no copy of its own (peer memory), an agent with
+   only the disk folder, an agent with only the S3 prefix. DCP's row is ``dcp.load`` from a local
+   folder plus the same step.
+
+Baselines from the same run: a copy of the same tensors between two warm buffers (the bound for a
+memory restore), a raw socket ``sendfile`` → ``recv_into`` of the same bytes between two processes
+(the bound for a peer restore), and ``dcp.load`` from a local folder. Process start, ``import torch``
+and building the model are the same whatever the tier and are left out.
 """
 
 from __future__ import annotations
@@ -42,6 +53,24 @@ def drop_caches() -> bool:
         return False
 
 
+def lone_agent(shm: str, *args: str) -> subprocess.Popen:
+    """An agent with no peers whose only tiers besides its (empty) memory are ``args``."""
+    from agents.config import socket_path_for
+    from agents.protocol import AgentClient
+
+    os.makedirs(shm, exist_ok=True)
+    log = open(os.path.join(os.path.dirname(shm), "agent.log"), "ab")
+    p = subprocess.Popen([sys.executable, "-m", "ckpt.cli", "agent", "--shm", shm, *args],
+                         stdout=log, stderr=subprocess.STDOUT, cwd=os.path.dirname(HERE))
+    for _ in range(600):
+        c = AgentClient.try_connect(socket_path_for(shm), timeout=2)
+        if c is not None:
+            c.close()
+            return p
+        time.sleep(0.05)
+    raise RuntimeError("agent did not start")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--size-gib", type=float, default=1.0)
@@ -51,6 +80,7 @@ def main() -> int:
     from recovery import plan_restore, scan_tiers
     from tiers import DiskTier, MemoryTier
     from tiers.peer import PeerTier
+    from tiers.wire import load_secret
     from tiers.s3 import S3Tier
 
     work = tempfile.mkdtemp(prefix="bench-restore-", dir="/dev/shm")
@@ -59,10 +89,17 @@ def main() -> int:
     try:
         moto, endpoint = start_local_s3("bench")
         procs.append(moto)
-        ports, peers, secret = cluster_files(work)
-        shms = [os.path.join(work, f"node{i}", "shm") for i in range(2)]
+        ports, peers, secret = cluster_files(work, 3)
+        shms = [os.path.join(work, f"node{i}", "shm") for i in range(3)]
         lower = ["--disk", disk, "--s3", "s3://bench/c", "--s3-endpoint", endpoint]
         procs += [start_agent(shms[i], peers, i, secret, *lower) for i in range(2)]
+        # node 2 holds no copy: its trainer reads node 0's (or node 1's) memory over loopback
+        procs.append(start_agent(shms[2], peers, 2, secret, "--no-prefetch"))
+        only = {"disk": ["--disk", disk], "s3": ["--s3", "s3://bench/c", "--s3-endpoint", endpoint]}
+        for name, args in only.items():
+            procs.append(lone_agent(os.path.join(work, f"only-{name}", "shm"), *args))
+        recovery_shm = {"memory": shms[0], "peer": shms[2], "disk": os.path.join(work, "only-disk", "shm"),
+                        "s3": os.path.join(work, "only-s3", "shm")}
 
         ts = build_state(a.size_gib)
         state = {"model": ts.model, "optim": ts.optim}
@@ -102,7 +139,7 @@ def main() -> int:
             dcp.load(tgt, storage_reader=dcp.FileSystemReader(dcp_dir), no_dist=True)
             dcp_times.append(time.perf_counter() - t0)
 
-        secret_bytes = open(secret, "rb").read()
+        secret_bytes = load_secret(secret)
         tiers = {"memory": MemoryTier(shms[0]),
                  "peer": PeerTier(f"127.0.0.1:{ports[1]}", secret=secret_bytes, node=0, timeout=120),
                  "disk": DiskTier(disk), "s3": S3Tier("bench", "c", endpoint_url=endpoint)}
@@ -120,6 +157,43 @@ def main() -> int:
                         results[name].append(took)
         for a_, b_ in zip(ts.model.state_dict().values(), target_ts.model.state_dict().values()):
             assert torch.equal(a_, b_)
+
+        # recovery: from a restarted trainer's first call to the end of its first training step
+        target_ts.set_batch(*ts.batch)
+        if os.environ.get("BENCH_PROFILE"):
+            import cProfile
+            import pstats
+
+            for name, shm in recovery_shm.items():
+                with cProfile.Profile() as prof:
+                    with ckpt.Checkpointer("bench", shm=shm, spawn=False) as ck:
+                        ck.restore(target)
+                print(name)
+                pstats.Stats(prof).sort_stats("cumtime").print_stats(18)
+        recovery: dict[str, list[float]] = {name: [] for name in (*recovery_shm, "dcp")}
+        restore_only: dict[str, list[float]] = {name: [] for name in recovery}
+        for run in range(a.runs + 1):
+            for name, shm in recovery_shm.items():
+                t0 = time.perf_counter()
+                with ckpt.Checkpointer("bench", shm=shm, spawn=False) as ck:
+                    assert ck.restore(target) == 0
+                    t1 = time.perf_counter()
+                    assert ck.last_restore.tiers == [name], (name, ck.last_restore.shards)
+                    target_ts.step()
+                    took = time.perf_counter() - t0
+                if run:
+                    recovery[name].append(took)
+                    restore_only[name].append(t1 - t0)
+            t0 = time.perf_counter()
+            tgt = {"model": target_ts.model.state_dict(), "optim": target_ts.optim.state_dict()}
+            dcp.load(tgt, storage_reader=dcp.FileSystemReader(dcp_dir), no_dist=True)
+            target_ts.model.load_state_dict(tgt["model"])
+            target_ts.optim.load_state_dict(tgt["optim"])
+            t1 = time.perf_counter()
+            target_ts.step()
+            if run:
+                recovery["dcp"].append(time.perf_counter() - t0)
+                restore_only["dcp"].append(t1 - t0)
 
         med = {k: statistics.median(v) for k, v in results.items()}
         bound = statistics.median(copies[1:])
@@ -140,6 +214,17 @@ def main() -> int:
                   "s3": ""}[name]
             print(f"| tierckpt {name} | {t:.3f} | {gbps:.2f} | {vs} |")
         print("\nEach tierckpt row: read + verify every checksum + copy into the tensors + load the state dicts.")
+        rmed = {k: statistics.median(v) for k, v in recovery.items()}
+        omed = {k: statistics.median(v) for k, v in restore_only.items()}
+        print("\nRecovery, restart to first training step (connect + restore() + one step), "
+              f"median of {a.runs}:\n")
+        print("| restore from | to first step s | of which restore() s | compared with DCP load |")
+        print("|---|---|---|---|")
+        for name in ("memory", "peer", "disk", "s3", "dcp"):
+            label = "DCP load, local folder" if name == "dcp" else f"tierckpt {name}"
+            vs = "" if name == "dcp" else f"{rmed['dcp'] / rmed[name]:.2f}× faster"
+            print(f"| {label} | {rmed[name]:.3f} | {omed[name]:.3f} | {vs} |")
+        print(f"\npeer recovery is {rmed['s3'] / rmed['peer']:.1f}× faster than S3's")
         return 0
     finally:
         for p in procs:

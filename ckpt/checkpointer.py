@@ -66,6 +66,11 @@ class StateMismatchError(KeyError):
         return str(self.args[0]) if self.args else ""
 
 
+#: bytes one copier thread reads before the restore hashes them (large enough that per-batch overhead is
+#: small, small enough that hashing the last batch after the reads end is short)
+_READ_BATCH = 16 << 20
+
+
 def _warn_restart_store(rank: int) -> None:
     """Say so when torchrun will restart ranks that cannot form a process group again.
 
@@ -223,16 +228,35 @@ class Checkpointer:
     # ------------------------------------------------------------------ tiers
     def tiers(self) -> list[Tier]:
         """The tiers to restore from, cheapest first: memory, the other nodes' memory, disk, S3."""
+        return self._near_tiers() + self._far_tiers()
+
+    def _near_tiers(self) -> list[Tier]:
         out: list[Tier] = [MemoryTier(self.settings.shm)]
         out += peer_tiers(self.settings)
         if self.settings.disk:
             out.append(DiskTier(self.settings.disk, compress=self.settings.compress))
-        if self.settings.s3:
-            from tiers.s3 import S3Tier
-
-            out.append(S3Tier.from_url(self.settings.s3, endpoint_url=self.settings.s3_endpoint,
-                                       retry_deadline=min(self.settings.s3_retry_deadline, 30.0)))
         return out
+
+    def _far_tiers(self) -> list[Tier]:
+        if not self.settings.s3:
+            return []
+        from tiers.s3 import S3Tier
+
+        return [S3Tier.from_url(self.settings.s3, endpoint_url=self.settings.s3_endpoint,
+                                retry_deadline=min(self.settings.s3_retry_deadline, 30.0))]
+
+    def _far_may_be_newer(self, near_newest: int) -> bool:
+        """Whether S3 could hold a step of this job newer than ``near_newest`` (this rank's newest step in
+        memory, peers and disk). The node agent knows the newest step of the job any tier could hold (what
+        it found at start-up, then every commit here and every commit record from its peers), so a restore
+        that memory can serve needs no S3 client and no S3 listing. Without that knowledge: True."""
+        if not self.settings.s3:
+            return False
+        try:
+            r = self._client.call("lower", job=self.job)
+        except AgentError:
+            return True
+        return not r.get("known") or int(r["newest"]) > near_newest
 
     # ------------------------------------------------------------------ errors
     def _collect(self, resp: dict) -> None:
@@ -549,11 +573,22 @@ class Checkpointer:
         """
         t0 = time.perf_counter()
         self._await_prefetch()
-        tiers = self.tiers()
-        invs = scan_tiers(tiers, self.job)
         from recovery.planner import complete_steps
 
+        # memory, peers and disk first; S3 (a client to create, a prefix to list) only when it may matter
+        invs = scan_tiers(self._near_tiers(), self.job)
         steps = complete_steps(invs, self.job, [self.rank])
+        far = self.settings.s3 is not None
+
+        def add_far() -> list[int]:
+            nonlocal invs, far
+            far = False
+            invs = invs + scan_tiers(self._far_tiers(), self.job)
+            return complete_steps(invs, self.job, [self.rank])
+
+        if far and ((step is not None and step not in steps)
+                    or self._far_may_be_newer(steps[-1] if steps else -1)):
+            steps = add_far()
         if step is None:
             mine = steps[-1] if steps else -1
         else:
@@ -567,6 +602,8 @@ class Checkpointer:
             t = torch.tensor([mine], dtype=torch.int64)
             dist.all_reduce(t, op=dist.ReduceOp.MIN)
             agreed = int(t.item())
+            if agreed != mine and agreed >= 0 and agreed not in steps and far:
+                steps = add_far()  # another rank can reach only an older step: S3 may hold it for this one
             if agreed != mine and agreed >= 0 and agreed not in steps:
                 raise StepNotFoundError(f"rank {self.rank} cannot reach step {agreed} that the other ranks agreed on")
         if agreed < 0:
@@ -719,19 +756,36 @@ class Checkpointer:
                 pos = off + entry.nbytes
             if pos < info.size:
                 pieces.append((pos, memoryview(bytearray(info.size - pos)), None))
-            # the reads run on several threads (preadv releases the GIL), split by bytes; the hash is in order
-            parts: list[list] = [[] for _ in range(len(self._copiers))]
-            loads = [0] * len(parts)
-            for piece in sorted(pieces, key=lambda p: -len(p[1])):
-                i = loads.index(min(loads))
-                parts[i].append(piece)
-                loads[i] += len(piece[1])
-            futs = [pool.submit(lambda part=part: [read_into(mv, at) for at, mv, _ in part])
-                    for pool, part in zip(self._copiers, parts) if part]
-            for f in futs:
-                f.result()
-            for _, mv, _ in pieces:
-                hasher.update(mv)
+            # the reads run on the copier threads (preadv releases the GIL) in shard order, a batch of up to
+            # _READ_BATCH bytes at a time, round robin; this thread hashes each batch as soon as it is in,
+            # so the checksum pass overlaps the reads instead of following them
+            batches: list[list[tuple[int, memoryview]]] = [[]]
+            filled = 0
+            for at, mv, _ in pieces:
+                for lo in range(0, len(mv), _READ_BATCH):
+                    part = mv[lo:lo + _READ_BATCH]
+                    if filled and filled + len(part) > _READ_BATCH:
+                        batches.append([])
+                        filled = 0
+                    batches[-1].append((at + lo, part))
+                    filled += len(part)
+
+            def read_batch(batch: list[tuple[int, memoryview]]) -> None:
+                for at, mv in batch:
+                    read_into(mv, at)
+
+            futs = [self._copiers[i % len(self._copiers)].submit(read_batch, b) for i, b in enumerate(batches)]
+            try:
+                for batch, f in zip(batches, futs):
+                    f.result()
+                    for _, mv in batch:
+                        hasher.update(mv)
+            finally:
+                for f in futs:
+                    f.cancel()
+                for f in futs:
+                    if not f.cancelled():
+                        f.exception()  # a read still running writes into the tensors: let it end first
         except OSError as e:
             log.warning("restore of rank %d from %s failed, trying the next tier: %s", self.rank, tier.name, e)
             return None

@@ -141,6 +141,66 @@ def test_s3_down_for_good_raises_clear_error_while_memory_and_disk_keep_working(
         agent.wait(60)
 
 
+def test_restore_from_memory_does_not_touch_s3_and_an_older_step_only_in_s3_is_fetched(tmp_path, s3_bucket,
+                                                                                          s3_proxy):
+    """The agent knows the newest step S3 could hold: a restore that memory can serve opens no connection
+    to S3 (and works through an S3 outage); a step that only S3 still holds is found there."""
+    _, bucket = s3_bucket
+    shm = str(tmp_path / "shm")
+    agent = start_agent(shm, "--s3", f"s3://{bucket}/p", "--s3-endpoint", s3_proxy.url, "--keep-memory", "1")
+    try:
+        state = _model_state()
+        with ckpt.Checkpointer("near", shm=shm, spawn=False) as ck:
+            for step in (0, 1):
+                ck.save(step, state).wait(timeout=120)
+        # the agent lists S3 once more after each upload (retention): let that settle first
+        before, quiet = -1, 0
+        while quiet < 10:
+            quiet = quiet + 1 if s3_proxy.connections == before else 0
+            before = s3_proxy.connections
+            time.sleep(0.1)
+        s3_proxy.down()
+        target = _model_state()
+        with ckpt.Checkpointer("near", shm=shm, spawn=False) as ck:
+            assert ck.restore(target) == 1
+            assert ck.last_restore.tiers == ["memory"]
+        assert s3_proxy.connections == before
+        s3_proxy.up()
+        with ckpt.Checkpointer("near", shm=shm, spawn=False) as ck:
+            assert ck.restore(target, step=0) == 0  # memory keeps only step 1
+            assert ck.last_restore.tiers == ["s3"]
+        for a, b in zip(state["model"].state_dict().values(), target["model"].state_dict().values()):
+            assert torch.equal(a, b)
+    finally:
+        agent.terminate()
+        agent.wait(60)
+
+
+def test_an_agent_that_never_saw_the_job_looks_in_s3(tmp_path, s3_bucket):
+    """A spare node's agent, running since before the job saved anything, knows nothing of the job: its
+    trainer's restore lists S3 and finds the step there (rather than starting from scratch)."""
+    endpoint, bucket = s3_bucket
+    s3 = ["--s3", f"s3://{bucket}/p", "--s3-endpoint", endpoint]
+    spare_shm, shm = str(tmp_path / "spare" / "shm"), str(tmp_path / "node" / "shm")
+    for d in ("spare", "node"):
+        os.makedirs(tmp_path / d)
+    spare = start_agent(spare_shm, *s3)
+    agent = start_agent(shm, *s3)
+    try:
+        state = _model_state()
+        with ckpt.Checkpointer("elsewhere", shm=shm, spawn=False) as ck:
+            ck.save(3, state).wait(timeout=120)
+        target = _model_state()
+        with ckpt.Checkpointer("elsewhere", shm=spare_shm, spawn=False) as ck:
+            assert ck.restore(target) == 3 and ck.last_restore.tiers == ["s3"]
+        for a, b in zip(state["model"].state_dict().values(), target["model"].state_dict().values()):
+            assert torch.equal(a, b)
+    finally:
+        for p in (spare, agent):
+            p.terminate()
+            p.wait(60)
+
+
 def _saved_job(tmp_path, steps=3) -> tuple[str, str]:
     shm, disk = str(tmp_path / "shm"), str(tmp_path / "disk")
     state = _model_state()

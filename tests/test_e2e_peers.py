@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import secrets
 import shutil
 import time
 
@@ -16,6 +17,7 @@ from s3util import free_port
 from test_e2e_faults import _stage_raw
 from tiers import keys
 from tiers.peer import PeerTier
+from tiers.wire import load_secret
 
 pytestmark = pytest.mark.e2e
 FAST = ["--heartbeat", "0.2", "--dead-after", "3"]
@@ -34,7 +36,7 @@ class Cluster:
                 f.write(f"127.0.0.1:{p}" + (f" domain={domains[i]}" if domains else "") + "\n")
         self.secret = str(root / "secret")
         fd = os.open(self.secret, os.O_WRONLY | os.O_CREAT, 0o600)
-        os.write(fd, os.urandom(32))
+        os.write(fd, secrets.token_hex(32).encode())  # text: load_secret strips trailing whitespace
         os.close(fd)
         self.args = ["--peers", self.peers, "--secret-file", self.secret, "--placement", placement,
                      "--replicas", str(replicas), *FAST]
@@ -69,7 +71,7 @@ class Cluster:
         raise AssertionError(f"timed out waiting for {what}; agent logs: {logs}")
 
     def peer(self, i: int) -> PeerTier:
-        return PeerTier(f"127.0.0.1:{self.ports[i]}", secret=open(self.secret, "rb").read(), node=99, timeout=5)
+        return PeerTier(f"127.0.0.1:{self.ports[i]}", secret=load_secret(self.secret), node=99, timeout=5)
 
     def close(self) -> None:
         for p in self.procs.values():
