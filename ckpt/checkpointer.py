@@ -15,6 +15,11 @@ runs; an optimizer step pre-hook waits for that copy before any parameter
 changes. Everything else (buffers, plain tensors, Stateful state) is copied
 before ``save`` returns. Once the copy is done the agent is told, and it does
 the rest (checksum, manifest, disk, S3) in its own process.
+
+Each device type's tensors reach the slot through that type's adapter
+(:mod:`ckpt._devices`): CPU tensors on this module's copier threads, CUDA
+tensors by DMA on a side stream into the pinned slot, XLA tensors in one
+batched transfer; a restore hands non-CPU tensors back to the same adapters.
 """
 
 from __future__ import annotations
