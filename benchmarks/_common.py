@@ -186,8 +186,9 @@ class TrainState:
     def set_batch(self, b: int, t: int) -> None:
         g = torch.Generator().manual_seed(0)
         self.batch = (b, t)
-        self._x = torch.randint(0, self.vocab, (b, t), generator=g)
-        self._y = torch.randint(0, self.vocab, (b, t), generator=g)
+        dev = self.model.head.weight.device
+        self._x = torch.randint(0, self.vocab, (b, t), generator=g).to(dev)
+        self._y = torch.randint(0, self.vocab, (b, t), generator=g).to(dev)
 
     def step(self) -> float:
         """One forward + backward + optimizer step; returns its duration."""
@@ -210,7 +211,17 @@ class TrainState:
         return sum(p.numel() for p in self.model.parameters())
 
 
-def build_state(size_gib: float, layers: int = 12, ctx: int = 128, seed: int = 0) -> TrainState:
+def gpt_dims(size_gib: float, layers: int = 12, ctx: int = 128) -> tuple[int, int]:
+    """(vocab, d) of the GPT whose float32 parameters plus AdamW state come to about ``size_gib``."""
+    n = size_gib * GiB / 3 / 4  # float32 parameters
+    d = max(64, round(math.sqrt(2 * n / 3 / (12 * layers)) / 64) * 64)
+    block_params = layers * (12 * d * d + 13 * d)
+    vocab = max(256, int((n - block_params - ctx * d - 2 * d) / (2 * d)))
+    return vocab, d
+
+
+def build_state(size_gib: float, layers: int = 12, ctx: int = 128, seed: int = 0,
+                device: str = "cpu") -> TrainState:
     """A GPT-like model whose parameters are ~1/3 of ``size_gib`` and whose AdamW state is the other ~2/3.
 
     A third of the parameters sit in the embedding and the LM head (a few big
@@ -218,11 +229,8 @@ def build_state(size_gib: float, layers: int = 12, ctx: int = 128, seed: int = 0
     small layernorm weights and biases). One optimizer step creates the state.
     """
     torch.manual_seed(seed)
-    n = size_gib * GiB / 3 / 4  # float32 parameters
-    d = max(64, round(math.sqrt(2 * n / 3 / (12 * layers)) / 64) * 64)
-    block_params = layers * (12 * d * d + 13 * d)
-    vocab = max(256, int((n - block_params - ctx * d - 2 * d) / (2 * d)))
-    model = GPT(vocab, d, layers, ctx)
+    vocab, d = gpt_dims(size_gib, layers, ctx)
+    model = GPT(vocab, d, layers, ctx).to(device)
     optim = torch.optim.AdamW(model.parameters(), lr=1e-4)
     ts = TrainState(model, optim, vocab, d, layers)
     ts.set_batch(1, 8)

@@ -19,6 +19,8 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from ._devices import settle, storage_key
+
 __all__ = ["Leaf", "Flat", "flatten_state", "StateError"]
 
 JSON_SCALARS = (int, float, str, bool, type(None))
@@ -62,7 +64,8 @@ class Flat:
     """A flattened state: leaves in order, plus how to apply restored containers."""
 
     leaves: list[Leaf] = field(default_factory=list)
-    #: run after the leaves were filled in place: load module/optimizer/Stateful state dicts
+    #: run after the leaves were filled in place: load module/optimizer/Stateful state dicts, then let each
+    #: device the state lives on finish what that queued (``DeviceAdapter.settle``)
     appliers: list[Callable[[], None]] = field(default_factory=list)
     optimizers: list[torch.optim.Optimizer] = field(default_factory=list)
 
@@ -71,14 +74,13 @@ def _is_stateful(v: Any) -> bool:
     return callable(getattr(v, "state_dict", None)) and callable(getattr(v, "load_state_dict", None))
 
 
-def _param_storages(optims: list[torch.optim.Optimizer]) -> set[int]:
-    ptrs = set()
+def _param_storages(optims: list[torch.optim.Optimizer]) -> set:
+    keys = set()
     for o in optims:
         for g in o.param_groups:
             for p in g["params"]:
-                t = p.to_local() if hasattr(p, "to_local") else p
-                ptrs.add(t.untyped_storage().data_ptr())
-    return ptrs
+                keys.add(storage_key(_local(p)))
+    return keys
 
 
 def flatten_state(state: dict, *, for_restore: bool = False) -> Flat:
@@ -95,7 +97,6 @@ def flatten_state(state: dict, *, for_restore: bool = False) -> Flat:
     modules = [v for v in state.values() if isinstance(v, nn.Module)]
     optims = [v for v in state.values() if isinstance(v, torch.optim.Optimizer)]
     flat.optimizers = optims
-    guarded_ptrs: set[int] = set()
     opts = dsd.StateDictOptions(full_state_dict=False, cpu_offload=False)
 
     def owner_of(opt: torch.optim.Optimizer) -> nn.Module:
@@ -130,17 +131,27 @@ def flatten_state(state: dict, *, for_restore: bool = False) -> Flat:
         else:
             _walk(v, prefix, flat, state, name)
     if optims:
-        guarded_ptrs = _param_storages(optims)
+        guarded = _param_storages(optims)
         for leaf in flat.leaves:
             if leaf.tensor is not None and not leaf.guarded:
-                t = _local(leaf.tensor)
-                if t.untyped_storage().data_ptr() in guarded_ptrs:
+                if storage_key(_local(leaf.tensor)) in guarded:
                     leaf.guarded = True
+    if for_restore:
+        devices = {leaf.tensor.device.type for leaf in flat.leaves
+                   if leaf.tensor is not None and not leaf.tensor.is_cpu}
+        if devices:
+            flat.appliers.append(lambda: settle(devices))
     return flat
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if hasattr(t, "to_local") and hasattr(t, "placements") else t
+    if hasattr(t, "to_local"):
+        if hasattr(t, "global_tensor"):
+            # torch-xla's XLAShardedTensor is a DTensor whose to_local raises: its data is the global tensor
+            return t.global_tensor
+        if hasattr(t, "placements"):
+            return t.to_local()
+    return t
 
 
 def _walk(v: Any, name: str, flat: Flat, parent: Any, key: Any) -> None:

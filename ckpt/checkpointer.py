@@ -15,6 +15,11 @@ runs; an optimizer step pre-hook waits for that copy before any parameter
 changes. Everything else (buffers, plain tensors, Stateful state) is copied
 before ``save`` returns. Once the copy is done the agent is told, and it does
 the rest (checksum, manifest, disk, S3) in its own process.
+
+Each device type's tensors reach the slot through that type's adapter
+(:mod:`ckpt._devices`): CPU tensors on this module's copier threads, CUDA
+tensors by DMA on a side stream into the pinned slot, XLA tensors in one
+batched transfer; a restore hands non-CPU tensors back to the same adapters.
 """
 
 from __future__ import annotations
@@ -45,6 +50,7 @@ from tiers.disk import DiskTier
 from tiers.manifest import JsonEntry, TensorChunk
 from tiers.memory import MemoryTier
 
+from ._devices import DeviceAdapter, Item, make_adapter
 from ._flatten import Flat, Leaf, flatten_state
 from ._tensors import buffer_allocator, buffer_view as _buffer_view, dtype_name as _dtype_name
 from ._tensors import dtype_of as _dtype
@@ -133,11 +139,14 @@ def _warn_restart_store(rank: int) -> None:
 
 def _local(t: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...], tuple[int, ...]]:
     """(local tensor, global shape, offsets of the local chunk)."""
-    if hasattr(t, "placements") and hasattr(t, "to_local"):
-        local = t.to_local()
-        chunks = t.__create_chunk_list__()
-        offsets = tuple(chunks[0].offsets) if chunks else (0,) * t.dim()
-        return local, tuple(t.shape), offsets
+    if hasattr(t, "to_local"):
+        if hasattr(t, "global_tensor"):  # torch-xla's XLAShardedTensor: saved whole (see ckpt._devices.xla)
+            return t.global_tensor, tuple(t.shape), (0,) * t.dim()
+        if hasattr(t, "placements"):
+            local = t.to_local()
+            chunks = t.__create_chunk_list__()
+            offsets = tuple(chunks[0].offsets) if chunks else (0,) * t.dim()
+            return local, tuple(t.shape), offsets
     return t, tuple(t.shape), (0,) * t.dim()
 
 
@@ -247,6 +256,7 @@ class Checkpointer:
         self._copiers = [cf.ThreadPoolExecutor(1, thread_name_prefix=f"tierckpt-copy{i}")
                          for i in range(max(1, min(4, torch.get_num_threads())))]
         self._maps: dict[str, tuple[int, mmap.mmap, torch.Tensor | None]] = {}
+        self._devices: dict[str, DeviceAdapter] = {}
         self._inflight: SaveFuture | None = None
         self._errors: list[str] = []
         self._hooks: dict[int, Any] = {}
@@ -321,12 +331,28 @@ class Checkpointer:
             if id(o) not in self._hooks:
                 self._hooks[id(o)] = o.register_step_pre_hook(self._wait_guarded)
 
+    def _device(self, device_type: str) -> DeviceAdapter:
+        ad = self._devices.get(device_type)
+        if ad is None:
+            ad = self._devices[device_type] = make_adapter(device_type)
+        return ad
+
+    def _unmap(self, mm: mmap.mmap | None, buf: torch.Tensor | None) -> None:
+        if buf is not None:
+            for ad in self._devices.values():
+                ad.release_host(buf)
+        if mm is not None:
+            try:
+                mm.close()
+            except BufferError:
+                pass
+
     def _map(self, slot: str, nbytes: int) -> torch.Tensor | None:
         cached = self._maps.get(slot)
         if cached is not None and cached[0] == nbytes:
             return cached[2]
         if cached is not None:
-            cached[1].close()
+            self._unmap(cached[1], cached[2])
         if nbytes == 0:
             self._maps[slot] = (0, None, None)  # type: ignore[arg-type]
             return None
@@ -367,8 +393,7 @@ class Checkpointer:
         fut = SaveFuture(step, _ck=self)
         try:
             buf = self._map(slot, total)
-            now = [(src, off, n) for src, off, n, guarded in copies if not guarded]
-            later = [(src, off, n) for src, off, n, guarded in copies if guarded]
+            now, later, waits = self._stage(buf, copies)
             self._copy(buf, now)
         except BaseException:
             self._client.call("release", slot=slot)
@@ -380,6 +405,8 @@ class Checkpointer:
         def finish() -> None:
             try:
                 self._copy_parallel(buf, later)
+                for done in waits:
+                    done()
                 fut.staged_at = time.perf_counter()
                 r = self._client.call("commit", job=self.job, step=step, rank=self.rank, world=self.world,
                                       slot=slot, nbytes=total, entries=entries, save_index=step // self.every,
@@ -397,11 +424,40 @@ class Checkpointer:
                     pass
                 fut._staged.set_exception(CheckpointError(f"step {step}: staging failed: {e}"))
 
-        if later:
+        if later or waits:
             self._pool.submit(finish)
         else:
             finish()
         return fut
+
+    def _stage(self, buf: torch.Tensor | None, copies: list[tuple[torch.Tensor, int, int, bool]]
+               ) -> tuple[list[Item], list[Item], list]:
+        """Hand each device type's tensors to its adapter; return the host copies to make now, those to make
+        in the background, and the adapters' completion waits."""
+        cpu_now: list[Item] = []
+        cpu_later: list[Item] = []
+        other: dict[str, tuple[list[Item], list[Item]]] = {}
+        for src, off, n, guarded in copies:
+            if src.is_cpu:
+                (cpu_later if guarded else cpu_now).append((src, off, n))
+            else:
+                group = other.get(src.device.type)
+                if group is None:
+                    group = other[src.device.type] = ([], [])
+                group[1 if guarded else 0].append((src, off, n))
+        now: list[Item] = []
+        later: list[Item] = []
+        waits: list = []
+        for device_type, (dnow, dlater) in [("cpu", (cpu_now, cpu_later)), *other.items()]:
+            ad = self._device(device_type)
+            if buf is not None:
+                ad.prepare_host(buf)
+            st = ad.stage(dnow, dlater, buf)
+            now += st.now
+            later += st.later
+            if st.done is not None:
+                waits.append(st.done)
+        return now, later, waits
 
     def _prelease(self, nbytes: int) -> None:
         """Lease the next save's slot now, off the training thread, so ``save`` skips the round trip."""
@@ -450,7 +506,7 @@ class Checkpointer:
             f.result()
 
     @staticmethod
-    def _copy(buf: torch.Tensor | None, items: list[tuple[torch.Tensor, int, int]]) -> None:
+    def _copy(buf: torch.Tensor | None, items: list[Item]) -> None:
         for src, off, n in items:
             if n == 0:
                 continue
@@ -466,7 +522,9 @@ class Checkpointer:
                 v = list(leaf.value) if isinstance(leaf.value, tuple) else leaf.value
                 entries.append(JsonEntry(leaf.name, v).to_json())
                 continue
-            local, gshape, offsets = _local(leaf.tensor.detach())
+            local, gshape, offsets = _local(leaf.tensor)
+            if local.requires_grad:  # state-dict entries come detached; on XLA a detach is a traced op
+                local = local.detach()
             n = local.numel() * local.element_size()
             off = (off + _ALIGN - 1) // _ALIGN * _ALIGN
             entries.append(TensorChunk(leaf.name, _dtype_name(local.dtype), gshape, offsets,
@@ -524,12 +582,8 @@ class Checkpointer:
                 except (AgentError, AgentUnreachableError):
                     pass
             self._client.close()
-            for _, mm, _ in self._maps.values():
-                if mm is not None:
-                    try:
-                        mm.close()
-                    except BufferError:
-                        pass
+            for _, mm, buf in self._maps.values():
+                self._unmap(mm, buf)
             self._maps.clear()
 
     def __enter__(self) -> "Checkpointer":
@@ -732,8 +786,8 @@ class Checkpointer:
             if off > pos:
                 pieces.append((pos, memoryview(bytearray(off - pos)), None))
             local = _local(leaf.tensor)[0]
-            direct = local.is_contiguous() and local.device.type == "cpu"
-            dst = local if direct else torch.empty(entry.shape, dtype=local.dtype)
+            direct = local.is_cpu and local.is_contiguous()
+            dst = local if direct else self._device(local.device.type).host_empty(entry.shape, local.dtype)
             pieces.append((off, _buffer_view(dst.data_ptr(), entry.nbytes), None if direct else (local, dst)))
             pos = off + entry.nbytes
         if pos < info.size:
@@ -774,10 +828,14 @@ class Checkpointer:
                 log.warning("rank %d shard in %s has checksum %s, manifest says %s: trying the next place",
                             self.rank, source_name(tier), got, info.checksum)
                 return None
+        # tensors not read in place (other devices, strided ones) get their verified bytes now, per device type
+        by_device: dict[str, list] = {}
+        for _, _, staged in pieces:
+            if staged is not None:
+                by_device.setdefault(staged[0].device.type, []).append(staged)
+        for device_type, pairs in by_device.items():
+            self._device(device_type).restore(pairs)
         with torch.no_grad():
-            for _, mv, staged in pieces:
-                if staged is not None:
-                    staged[0].copy_(staged[1])
             for leaf in flat.leaves:
                 if leaf.tensor is None:
                     self._fill(leaf, by_name[leaf.name], None)

@@ -1,0 +1,140 @@
+"""CUDA: the staging slot registered as pinned memory, device-to-host copies on a side stream.
+
+``stage`` only enqueues: the copies run on one side stream per device while the next forward/backward runs
+on the compute stream. The compute stream waits (on the GPU, not the host) for the copies of the tensors
+that the next step may change in place (``now``: buffers, plain tensors); the optimizer step pre-hook waits
+for the rest. ``done`` blocks the Checkpointer's staging thread, never the training thread, until every copy
+has landed in the slot, so the agent hears of the slot only once its bytes are there.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Hashable
+
+import torch
+
+from .base import Item, Staging, slot_view
+
+__all__ = ["CudaAdapter"]
+
+#: cudaHostRegisterPortable: pinned for every CUDA context of the process, as DCP registers its shared memory
+_REGISTER_PORTABLE = 1
+
+
+class CudaAdapter:
+    """Staging and restore for ``cuda`` tensors (see the module docstring).
+
+    ``cudart`` (for tests) stands in for ``torch.cuda.cudart()``; ``pin`` False skips registration, as it is
+    skipped when CUDA is not available.
+    """
+
+    def __init__(self, cudart: Any = None, pin: bool | None = None) -> None:
+        self._cudart = cudart
+        self._pin = torch.cuda.is_available() if pin is None else pin
+        self._registered: dict[int, int] = {}  # data_ptr -> bytes
+        self._side: dict[int, torch.cuda.Stream] = {}
+
+    # ------------------------------------------------------------ host memory
+    def _rt(self) -> Any:
+        if self._cudart is None:
+            self._cudart = torch.cuda.cudart()
+        return self._cudart
+
+    def prepare_host(self, buf: torch.Tensor) -> None:
+        if not self._pin or buf.numel() == 0:
+            return
+        ptr, n = buf.data_ptr(), buf.numel() * buf.element_size()
+        if self._registered.get(ptr) == n:
+            return
+        if ptr in self._registered:
+            self.release_host(buf)
+        err = int(self._rt().cudaHostRegister(ptr, n, _REGISTER_PORTABLE))
+        if err != 0:
+            # still correct unpinned: the copies then run synchronously, at pageable-memory speed
+            import logging
+
+            logging.getLogger("tierckpt").warning(
+                "could not pin the %d-byte staging slot for CUDA (cudaError %d): saves from the GPU will copy "
+                "synchronously", n, err)
+            return
+        self._registered[ptr] = n
+
+    def release_host(self, buf: torch.Tensor) -> None:
+        if buf is None or buf.numel() == 0:
+            return
+        ptr = buf.data_ptr()
+        if self._registered.pop(ptr, None) is not None:
+            self._rt().cudaHostUnregister(ptr)
+
+    def pinned(self, buf: torch.Tensor) -> bool:
+        """Whether ``prepare_host`` registered this slot."""
+        return buf.data_ptr() in self._registered
+
+    # ------------------------------------------------------------ save
+    def _stream(self, device: torch.device) -> torch.cuda.Stream:
+        idx = device.index if device.index is not None else torch.cuda.current_device()
+        s = self._side.get(idx)
+        if s is None:
+            s = self._side[idx] = torch.cuda.Stream(device=idx)
+        return s
+
+    def stage(self, now: list[Item], later: list[Item], buf: torch.Tensor) -> Staging:
+        by_dev: dict[torch.device, tuple[list[Item], list[Item]]] = {}
+        for i, items in enumerate((now, later)):
+            for item in items:
+                by_dev.setdefault(item[0].device, ([], []))[i].append(item)
+        events: list[torch.cuda.Event] = []
+        for dev, (dnow, dlater) in by_dev.items():
+            compute = torch.cuda.current_stream(dev)
+            side = self._stream(dev)
+            # the copies read what the step wrote: start them after everything queued so far
+            side.wait_stream(compute)
+            with torch.cuda.stream(side):
+                self._enqueue(dnow, buf, side)
+                if dnow:
+                    copied = torch.cuda.Event()
+                    copied.record(side)
+                    # the next step may change these in place: its kernels wait for their copies, on the GPU
+                    compute.wait_event(copied)
+                self._enqueue(dlater, buf, side)
+                ev = torch.cuda.Event()
+                ev.record(side)
+            events.append(ev)
+        return Staging([], [], _synchronize(events))
+
+    @staticmethod
+    def _enqueue(items: list[Item], buf: torch.Tensor, side: torch.cuda.Stream) -> None:
+        for src, off, n in items:
+            if n == 0:
+                continue
+            slot_view(buf, off, n, src).copy_(src, non_blocking=True)
+            # the caching allocator must not hand this memory to the compute stream before the copy ran
+            src.record_stream(side)
+
+    # ------------------------------------------------------------ restore
+    def host_empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        return torch.empty(shape, dtype=dtype, pin_memory=self._pin)
+
+    def restore(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        devices = set()
+        with torch.no_grad():
+            for t, host in pairs:
+                t.copy_(host, non_blocking=True)
+                devices.add(t.device)
+        for dev in devices:
+            if dev.type == "cuda":
+                torch.cuda.current_stream(dev).synchronize()
+
+    def settle(self) -> None:
+        pass
+
+    def storage_key(self, t: torch.Tensor) -> Hashable:
+        return t.untyped_storage().data_ptr()
+
+
+def _synchronize(events: list) -> Callable[[], None]:
+    def done() -> None:
+        for ev in events:
+            ev.synchronize()
+
+    return done
