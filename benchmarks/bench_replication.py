@@ -89,10 +89,16 @@ def cluster_files(work: str, n: int = 2) -> tuple[list[int], str, str]:
 
 
 def start_agent(shm: str, peers: str, rank: int, secret: str, *extra: str) -> subprocess.Popen:
+    """Node ``rank``'s agent of the cluster in ``peers``, with ``extra`` flags; returns once it answers."""
+    return launch_agent(shm, f"agent{rank}.log", "--node-rank", str(rank), "--peers", peers,
+                        "--secret-file", secret, "--keep-memory", "2", *extra)
+
+
+def launch_agent(shm: str, log_name: str, *args: str) -> subprocess.Popen:
+    """``ckpt agent --shm SHM ARGS``, logging beside ``shm`` to ``log_name``; returns once it answers."""
     os.makedirs(shm, exist_ok=True)
-    log = open(os.path.join(os.path.dirname(shm), f"agent{rank}.log"), "ab")
-    p = subprocess.Popen([sys.executable, "-m", "ckpt.cli", "agent", "--shm", shm, "--node-rank", str(rank),
-                          "--peers", peers, "--secret-file", secret, "--keep-memory", "2", *extra],
+    log = open(os.path.join(os.path.dirname(shm), log_name), "ab")
+    p = subprocess.Popen([sys.executable, "-m", "ckpt.cli", "agent", "--shm", shm, *args],
                          stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
     for _ in range(600):
         c = AgentClient.try_connect(socket_path_for(shm), timeout=2)

@@ -39,7 +39,7 @@ sys.path.insert(0, os.path.dirname(HERE))
 import torch  # noqa: E402
 
 from _common import build_state  # noqa: E402
-from bench_replication import cluster_files, raw_socket, start_agent  # noqa: E402
+from bench_replication import cluster_files, launch_agent, raw_socket, start_agent  # noqa: E402
 from ckpt._demo import start_local_s3  # noqa: E402
 
 
@@ -51,24 +51,6 @@ def drop_caches() -> bool:
         return True
     except OSError:
         return False
-
-
-def lone_agent(shm: str, *args: str) -> subprocess.Popen:
-    """An agent with no peers whose only tiers besides its (empty) memory are ``args``."""
-    from agents.config import socket_path_for
-    from agents.protocol import AgentClient
-
-    os.makedirs(shm, exist_ok=True)
-    log = open(os.path.join(os.path.dirname(shm), "agent.log"), "ab")
-    p = subprocess.Popen([sys.executable, "-m", "ckpt.cli", "agent", "--shm", shm, *args],
-                         stdout=log, stderr=subprocess.STDOUT, cwd=os.path.dirname(HERE))
-    for _ in range(600):
-        c = AgentClient.try_connect(socket_path_for(shm), timeout=2)
-        if c is not None:
-            c.close()
-            return p
-        time.sleep(0.05)
-    raise RuntimeError("agent did not start")
 
 
 def main() -> int:
@@ -97,7 +79,7 @@ def main() -> int:
         procs.append(start_agent(shms[2], peers, 2, secret, "--no-prefetch"))
         only = {"disk": ["--disk", disk], "s3": ["--s3", "s3://bench/c", "--s3-endpoint", endpoint]}
         for name, args in only.items():
-            procs.append(lone_agent(os.path.join(work, f"only-{name}", "shm"), *args))
+            procs.append(launch_agent(os.path.join(work, f"only-{name}", "shm"), "agent.log", *args))
         recovery_shm = {"memory": shms[0], "peer": shms[2], "disk": os.path.join(work, "only-disk", "shm"),
                         "s3": os.path.join(work, "only-s3", "shm")}
 
