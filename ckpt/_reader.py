@@ -72,35 +72,40 @@ class PlanReader(StorageReader):
         return plans
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> torch.futures.Future:
-        opened: dict[int, Any] = {}
-        keep: list[torch.Tensor] = []
-        alloc = buffer_allocator(keep)
-
-        try:
-            for req in plan.items:
-                rank, e = self._where[(req.storage_index.fqn, tuple(req.storage_index.offset))]
-                if rank not in opened:
-                    opened[rank] = open_shard(self.plan, rank, alloc, verify=self.verify)
-                    self.reports.append(opened[rank].report)
-                shard = opened[rank]
-                with warnings.catch_warnings():
-                    warnings.simplefilter("ignore")  # a copy-on-write mapping is writable; torch cannot tell
-                    src = torch.frombuffer(shard.view, dtype=torch.uint8, count=e.nbytes, offset=e.offset) \
-                        if e.nbytes else torch.empty(0, dtype=torch.uint8)
-                src = src.view(_dtype(e.dtype)).view(e.shape)
-                for dim, (start, length) in enumerate(zip(req.storage_offsets, req.lengths)):
-                    src = src.narrow(dim, start, length)
-                target = planner.resolve_tensor(req).detach()
-                if target.size() != src.size():
-                    raise ValueError(f"{req.storage_index.fqn}: chunk {list(src.size())} vs target "
-                                     f"{list(target.size())}")
-                target.copy_(src)
-                planner.commit_tensor(req, target)
-                del src
-        finally:
-            for s in opened.values():
-                s.close()
+        # one saved shard at a time, each closed (its buffer freed) once every chunk this rank needs from
+        # it is copied: memory stays bounded by the largest shard, whatever the number of shards
+        by_rank: dict[int, list] = {}
+        for req in plan.items:
+            rank, e = self._where[(req.storage_index.fqn, tuple(req.storage_index.offset))]
+            by_rank.setdefault(rank, []).append((req, e))
+        for rank in sorted(by_rank):
+            keep: list[torch.Tensor] = []
+            shard = open_shard(self.plan, rank, buffer_allocator(keep), verify=self.verify)
+            self.reports.append(shard.report)
+            try:
+                self._copy_out(shard, by_rank[rank], planner)
+            finally:
+                shard.close()
+                keep.clear()
         fut: torch.futures.Future = torch.futures.Future()
         fut.set_result(None)
         return fut
+
+    @staticmethod
+    def _copy_out(shard: Any, items: list, planner: LoadPlanner) -> None:
+        for req, e in items:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # a copy-on-write mapping is writable; torch cannot tell
+                src = torch.frombuffer(shard.view, dtype=torch.uint8, count=e.nbytes, offset=e.offset) \
+                    if e.nbytes else torch.empty(0, dtype=torch.uint8)
+            src = src.view(_dtype(e.dtype)).view(e.shape)
+            for dim, (start, length) in enumerate(zip(req.storage_offsets, req.lengths)):
+                src = src.narrow(dim, start, length)
+            target = planner.resolve_tensor(req).detach()
+            if target.size() != src.size():
+                raise ValueError(f"{req.storage_index.fqn}: chunk {list(src.size())} vs target "
+                                 f"{list(target.size())}")
+            target.copy_(src)
+            planner.commit_tensor(req, target)
+            del src
 
