@@ -661,7 +661,14 @@ class Checkpointer:
         costs, costs_file = node_costs(self.settings.shm, invs)
         plan = plan_restore(invs, self.job, agreed, [self.rank], costs=costs)
         if plan.manifest.world != self.world:
-            reports = self._load_resharded(plan_restore(invs, self.job, agreed, costs=costs), state)
+            try:
+                whole = plan_restore(invs, self.job, agreed, costs=costs)
+            except StepNotFoundError:
+                if not far:
+                    raise
+                add_far()  # resharding reads other ranks' shards too: some may be left only in S3
+                whole = plan_restore(invs, self.job, agreed, costs=costs)
+            reports = self._load_resharded(whole, state)
         else:
             reports = [self._load(plan, state)]
         self._learn(costs, costs_file, reports)

@@ -160,3 +160,28 @@ def test_restart_with_another_world_size_reshards_through_dcp_exactly(tmp_path, 
         assert not [e for e in ev if "step" in e]  # nothing left to train: the state is exactly the saved one
         assert_same_state(torch.load(f"{tmp_path / 'after'}.{rank}", weights_only=True),
                           torch.load(f"{tmp_path / 'before'}.0", weights_only=True))
+
+
+def test_resharded_restore_reads_a_shard_left_only_in_s3(tmp_path, s3_bucket):
+    """Saved by 2 ranks, restored by 1: rank 1's shard is gone from memory, so the resharding restore reads
+    it from S3 (which the same-world shortcut alone would not have looked at) and rank 0's from memory."""
+    endpoint, bucket = s3_bucket
+    shm = str(tmp_path / "shm")
+    s3 = ["--s3", f"s3://{bucket}/resh", "--s3-endpoint", endpoint]
+
+    def torchrun(n: int, dump: str) -> None:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(n),
+               TRAINER, "--fsdp", "--gpt", "--steps", "4", "--job", "reshs3", "--shm", shm, *s3,
+               "--out", str(tmp_path / f"ev{n}"), "--dump", dump, "--full"]
+        p = subprocess.run(cmd, capture_output=True, text=True, env=env(), timeout=300)
+        assert p.returncode == 0, p.stderr[-3000:]
+
+    torchrun(2, str(tmp_path / "before"))
+    os.unlink(os.path.join(shm, "reshs3", "step-3", "rank-1.shard"))
+    torchrun(1, str(tmp_path / "after"))
+    ev = read_events(f"{tmp_path / 'ev1'}.0")
+    restored = [e for e in ev if "restored" in e]
+    assert [e["restored"] for e in restored] == [3]
+    assert sorted(restored[0]["tiers"]) == ["memory", "s3"], restored
+    assert_same_state(torch.load(f"{tmp_path / 'after'}.0", weights_only=True),
+                      torch.load(f"{tmp_path / 'before'}.0", weights_only=True))
