@@ -172,6 +172,12 @@ def cmd_status(a: argparse.Namespace) -> int:
     print(f"saves {st['stats']['saves']}  in {_fmt_bytes(st['stats']['bytes_in'])}  "
           f"replicated {_fmt_bytes(st['stats']['replicated_bytes'])}  in flight {_fmt_bytes(st['inflight_bytes'])}  "
           f"queued {st['queued']}  pending {len(st['pending'])}  errors {st['errors'] or 'none'}")
+    pf = st.get("prefetch") or {}
+    if pf.get("state") not in (None, "idle"):
+        pulled = ", ".join(f"{j} step {n}" for j, n in sorted(pf.get("steps", {}).items())) or "nothing"
+        print(f"warm restore {pf['state']}: {pulled} ({pf.get('shards', 0)} shards, "
+              f"{_fmt_bytes(pf.get('bytes', 0))}, {pf.get('seconds', 0):.2f}s)"
+              + (f"  errors: {'; '.join(pf['errors'])}" if pf.get("errors") else ""))
     if st["peers"]:
         rows = [["node", "address", "domain", "alive", "last seen", "bytes held", "debt", "copies to", "errors"]]
         for p in st["peers"]:

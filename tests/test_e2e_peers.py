@@ -208,6 +208,9 @@ def test_empty_agent_pulls_its_ranks_newest_shards_from_peers_at_start_and_repor
     assert open(os.path.join(c.shm(0), "warm", "step-5", "rank-0.shard"), "rb").read() == original
     assert not os.path.exists(os.path.join(c.shm(0), "warm", "step-4"))  # only the newest step is pulled
     assert agent_call(c.shm(0), "status")["prefetch"]["state"] == "done"
+    status = ckpt_cmd("status", "--shm", c.shm(0))
+    assert status.returncode == 0 and "warm restore done: warm step 5 (1 shards, 4.0 MiB" in status.stdout, \
+        status.stdout
 
 
 def test_warm_restore_with_every_peer_unreachable_reports_it_and_the_agent_serves(tmp_path):
