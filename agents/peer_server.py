@@ -84,7 +84,7 @@ from tiers.wire import (
     load_secret,
 )
 
-__all__ = ["PeerServer", "PeerServerError", "Handler"]
+__all__ = ["PeerServer", "PeerServerError", "Handler", "MAX_CONNECTIONS", "KEEPALIVE_TIMEOUT"]
 
 log = logging.getLogger("tierckpt.peer")
 
@@ -94,12 +94,26 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 _READ_BUFSIZE = 4 << 20
 #: seconds ``stop`` waits for requests in flight
 _SHUTDOWN_TIMEOUT = 5.0
+#: open connections one server serves at once (every peer keeps a few: one per thread that talks to it)
+MAX_CONNECTIONS = 512
+#: seconds a connection may stay open without completing a request (idle, or dribbling its headers)
+KEEPALIVE_TIMEOUT = 75.0
 #: refusals logged per window before they are only counted
 _LOG_BURST, _LOG_WINDOW = 5, 10.0
 _KNOWN_METHODS = frozenset({"GET", "HEAD", "PUT", "POST", "DELETE", "OPTIONS", "PATCH"})
 _METRIC_NAME_RE = re.compile(r"^[a-zA-Z_:][a-zA-Z0-9_:]*\Z")
 #: where a request keeps the sender's node rank once authenticated (None when unsigned)
 _AUTHED: Any = web.RequestKey("tierckpt_node", object) if hasattr(web, "RequestKey") else "tierckpt_node"
+
+
+class _Refuse(asyncio.Protocol):
+    """Answers one connection over the cap with 503 (clients retry it as busy) and closes it."""
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        body = b"too many connections to this peer; retry shortly\n"
+        transport.write(b"HTTP/1.1 503 Service Unavailable\r\nConnection: close\r\nContent-Type: text/plain\r\n"
+                        b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+        transport.close()
 
 
 class PeerServerError(ValueError):
@@ -160,7 +174,10 @@ class PeerServer:
     ``{name: value}`` for ``/metrics``. ``max_skew``: seconds a signed
     timestamp may be off. ``read_timeout``: seconds an upload body may stall.
     ``handler_timeout``: seconds any other request may take, except those on
-    ``long_paths``, which bound their own time.
+    ``long_paths``, which bound their own time. ``max_connections``: open
+    connections served at once; one more is answered 503 (busy, which clients
+    retry) and closed. A client that dribbles its request is cut by the
+    keep-alive timer (``keepalive_timeout`` seconds without a completed request).
 
     Call order: ``await start()`` once, then ``await stop()`` once. Raises
     :class:`PeerServerError` at construction when asked to listen on a
@@ -184,6 +201,8 @@ class PeerServer:
         read_timeout: float = READ_IDLE_TIMEOUT,
         handler_timeout: float = HANDLER_TIMEOUT,
         long_paths: Iterable[str] = (),
+        max_connections: int = MAX_CONNECTIONS,
+        keepalive_timeout: float = KEEPALIVE_TIMEOUT,
     ) -> None:
         if not secret and not _is_loopback(host):
             raise PeerServerError(
@@ -194,6 +213,11 @@ class PeerServer:
             raise PeerServerError(f"port {port} is not in 0..65535")
         if max_body < 0:
             raise PeerServerError("max_body must be >= 0 bytes")
+        if max_connections < 1:
+            raise PeerServerError("max_connections must be >= 1")
+        self.max_connections = int(max_connections)
+        self.keepalive_timeout = float(keepalive_timeout)
+        self._listener: asyncio.AbstractServer | None = None
         self.memory = memory
         self.host = host
         self.port = int(port)
@@ -267,11 +291,20 @@ class PeerServer:
         runner = web.AppRunner(
             self._app, handle_signals=False, access_log=None, shutdown_timeout=_SHUTDOWN_TIMEOUT,
             max_line_size=MAX_HEADER_SIZE, max_field_size=MAX_HEADER_SIZE, max_headers=MAX_HEADERS,
-            read_bufsize=_READ_BUFSIZE, keepalive_timeout=75.0, lingering_time=2.0,
+            read_bufsize=_READ_BUFSIZE, keepalive_timeout=self.keepalive_timeout, lingering_time=2.0,
         )
         await runner.setup()
+        server = runner.server
+
+        def protocol() -> asyncio.BaseProtocol:
+            if len(server.connections) >= self.max_connections:
+                log.warning("%s: %d connections open, refusing one more", self.describe(), self.max_connections)
+                return _Refuse()
+            return server()
+
         try:
-            await web.SockSite(runner, sock, ssl_context=self.ssl_context, backlog=256).start()
+            self._listener = await asyncio.get_running_loop().create_server(
+                protocol, sock=sock, ssl=self.ssl_context, backlog=256)
         except BaseException:
             await runner.cleanup()
             sock.close()
@@ -281,6 +314,9 @@ class PeerServer:
 
     async def stop(self) -> None:
         """Stop listening and close connections (waiting briefly for requests in flight)."""
+        listener, self._listener = self._listener, None
+        if listener is not None:
+            listener.close()
         runner, self._runner = self._runner, None
         if runner is not None:
             await runner.cleanup()

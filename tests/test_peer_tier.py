@@ -414,3 +414,43 @@ def test_tls_with_a_private_ca_round_trips_and_an_unknown_ca_is_refused(peer_ser
         with pytest.raises(TierError, match="TLS") as info:
             t.stat(key)
         assert not isinstance(info.value, TierUnavailableError)
+
+
+def test_connections_over_the_cap_are_answered_busy_and_served_again_once_one_closes(peer_server):
+    _, addr, memory = peer_server(max_connections=2)
+    memory.put(shard_key("job", 1, 0), b"x" * 10)
+    host, port = parse_addr(addr)
+    idle = [socket.create_connection((host, port)) for _ in range(2)]
+    time.sleep(0.2)  # both accepted and counted
+    t = PeerTier(addr, secret=None, node=0, timeout=5, retries=1)
+    with pytest.raises(TierUnavailableError, match="busy"):
+        t.get(shard_key("job", 1, 0))
+    idle.pop().close()
+    time.sleep(0.2)
+    assert t.get(shard_key("job", 1, 0)) == b"x" * 10
+    t.close()
+    for s in idle:
+        s.close()
+
+
+def test_a_client_dribbling_its_headers_is_cut_by_the_keepalive_timer(peer_server):
+    _, addr, _ = peer_server(keepalive_timeout=1.0)
+    s = socket.create_connection(parse_addr(addr))
+    s.sendall(b"GET /v1/health HTTP/1.1\r\n")
+    t0 = time.monotonic()
+    closed = False
+    for _ in range(20):  # a header line every half second: never a complete request
+        time.sleep(0.5)
+        try:
+            s.sendall(b"X-Slow: 1\r\n")
+            if s.recv(1, socket.MSG_DONTWAIT | socket.MSG_PEEK) == b"":
+                closed = True
+                break
+        except BlockingIOError:
+            continue  # still open, nothing to read
+        except OSError:
+            closed = True
+            break
+    assert closed, "the server kept a connection that never completed a request for 10 s"
+    assert time.monotonic() - t0 < 5
+    s.close()
