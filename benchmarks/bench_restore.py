@@ -43,16 +43,6 @@ from bench_replication import cluster_files, launch_agent, raw_socket, start_age
 from ckpt._demo import start_local_s3  # noqa: E402
 
 
-def drop_caches() -> bool:
-    try:
-        os.sync()
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("3\n")
-        return True
-    except OSError:
-        return False
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--size-gib", type=float, default=1.0)
@@ -142,16 +132,6 @@ def main() -> int:
 
         # recovery: from a restarted trainer's first call to the end of its first training step
         target_ts.set_batch(*ts.batch)
-        if os.environ.get("BENCH_PROFILE"):
-            import cProfile
-            import pstats
-
-            for name, shm in recovery_shm.items():
-                with cProfile.Profile() as prof:
-                    with ckpt.Checkpointer("bench", shm=shm, spawn=False) as ck:
-                        ck.restore(target)
-                print(name)
-                pstats.Stats(prof).sort_stats("cumtime").print_stats(18)
         recovery: dict[str, list[float]] = {name: [] for name in (*recovery_shm, "dcp")}
         restore_only: dict[str, list[float]] = {name: [] for name in recovery}
         for run in range(a.runs + 1):

@@ -90,11 +90,11 @@ def _direct_reader(tier: Tier, key: str, size: int):
             yield None
             return
         try:
-            if os.fstat(fd).st_size != size:
-                raise_ = OSError(f"{path} is {os.fstat(fd).st_size} bytes, the manifest says {size}")
-
+            found = os.fstat(fd).st_size
+            if found != size:
+                # a damaged copy: the direct load fails on it and moves on to the next place
                 def read_batch(batch: list[tuple[int, memoryview]]) -> None:
-                    raise raise_
+                    raise OSError(f"{path} is {found} bytes, the manifest says {size}")
             else:
                 def read_batch(batch: list[tuple[int, memoryview]]) -> None:
                     for at, mv in batch:

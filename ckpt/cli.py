@@ -416,9 +416,12 @@ def cmd_restore(a: argparse.Namespace) -> int:
 
         dcp.save(state, storage_writer=dcp.FileSystemWriter(a.to), no_dist=True)
         path = a.to
-    rows = [["rank", "tier", "source", "size", "seconds", "GB/s"]]
+    # "estimated" is what the cost model expected of the first place it planned for the shard
+    rows = [["rank", "tier", "source", "size", "seconds", "estimated", "GB/s"]]
     for r in sources:
-        rows.append([str(r.rank), r.tier, r.source, _fmt_bytes(r.nbytes), f"{r.seconds:.3f}", f"{r.gbps:.2f}"])
+        est = plan.estimates.get(r.rank)
+        rows.append([str(r.rank), r.tier, r.source, _fmt_bytes(r.nbytes), f"{r.seconds:.3f}",
+                     "-" if est is None else f"{est:.3g}", f"{r.gbps:.2f}"])
     print(_table(rows))
     print(f"restored {job} step {m.step} ({_fmt_bytes(m.total_bytes)}) to {path} as {a.format}")
     return 0

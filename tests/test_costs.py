@@ -527,10 +527,11 @@ def test_cli_restore_fetches_in_parallel_shows_each_source_and_keeps_learned_cos
                  "--max-memory", "10KiB")
     assert p.returncode == 0, p.stderr
     lines = p.stdout.splitlines()
-    assert lines[0].split() == ["rank", "tier", "source", "size", "seconds", "GB/s"]
+    assert lines[0].split() == ["rank", "tier", "source", "size", "seconds", "estimated", "GB/s"]
     rows = {int(line.split()[0]): line.split() for line in lines[2:5]}
     assert rows[0][1:3] == ["memory", mem.root] and rows[2][1:3] == ["memory", mem.root]
     assert rows[1][1:3] == ["disk", dsk.root]
+    assert all(float(r[6]) > 0 for r in rows.values())  # (size is two words) the model's estimate for each shard's first place
     state = torch.load(out / "checkpoint.pt", weights_only=True)
     assert torch.equal(state["model"]["w"], full) and state["loader"]["pos"] == 0
 
