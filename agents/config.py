@@ -84,6 +84,9 @@ class Settings:
     peer_timeout: float = 10.0
     #: warm restore: at start, pull from peers this node's ranks' shards of each job's newest step
     prefetch: bool = True
+    #: seconds a layout object that no retained step names is kept in this node's memory and disk before
+    #: retention removes it (a layout is stored before the manifest that names it)
+    layout_grace: float = 600.0
     #: optional TLS for the peer protocol: this node's certificate and key, and the CA that signed every node's
     tls_cert: str | None = None
     tls_key: str | None = None

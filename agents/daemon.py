@@ -36,8 +36,9 @@ from tiers import keys
 from tiers.base import Tier
 from tiers.checksum import checksum_file
 from tiers.disk import DiskTier
-from tiers.errors import TierError
-from tiers.manifest import Manifest, ShardInfo, validate_layout
+from tiers.errors import KeyNotFoundError, ManifestError, TierError
+from tiers.layout import Layout
+from tiers.manifest import JsonEntry, Manifest, ShardInfo, TensorChunk, validate_layout
 from tiers.memory import MemoryTier
 
 from .config import Settings
@@ -57,6 +58,10 @@ class RequestError(ValueError):
     """A request is malformed or not allowed; answered to the client, never fatal."""
 
 
+class UnknownLayoutError(RequestError):
+    """A commit names a layout by digest that this agent does not hold: the trainer sends its entries again."""
+
+
 @dataclass
 class _Pending:
     """A step some ranks have committed: per-rank layouts and checksums as they arrive."""
@@ -65,8 +70,10 @@ class _Pending:
     save_index: int
     metadata: dict
     sizes: dict[int, int] = field(default_factory=dict)
-    #: each rank's layout, parsed and checked once when it arrives
+    #: each rank's JSON values, parsed and checked once when they arrive
     entries: dict[int, tuple] = field(default_factory=dict)
+    #: each rank's layout digest
+    layouts: dict[int, str] = field(default_factory=dict)
     checksums: dict[int, asyncio.Future] = field(default_factory=dict)
     nodes: dict[int, int] = field(default_factory=dict)
     created: float = field(default_factory=time.time)
@@ -119,6 +126,12 @@ class Agent:
                 settings.s3, endpoint_url=settings.s3_endpoint, retry_deadline=settings.s3_retry_deadline
             )
         self.lower: list[Tier] = [t for t in (self.disk, self.s3) if t is not None]
+        #: layouts this agent has parsed, by (job, digest): each is parsed and stored once, then named by digest
+        self._layouts: dict[tuple[str, str], Layout] = {}
+        #: (place, job, digest) of layout objects known to be stored in a place (a tier name, or a peer node)
+        self._layout_at: set[tuple[str, str, str]] = set()
+        self._layout_pushes: dict[tuple[int, str, str], asyncio.Future] = {}
+        self._layouts_trimmed: dict[tuple[str, str], float] = {}
         self._pending: dict[tuple[str, int], _Pending] = {}
         self._leases: set[str] = set()
         self._lease_conn: dict[str, _Conn] = {}
@@ -467,8 +480,7 @@ class Agent:
             raise RequestError(f"slot {slot} is not leased to this trainer (call begin first)")
         if os.path.getsize(slot) != nbytes:
             raise RequestError(f"slot holds {os.path.getsize(slot)} bytes, commit says {nbytes}")
-        entries = req.get("entries", [])
-        parsed = tuple(validate_layout(entries, nbytes, f"rank {rank} layout"))
+        layout, values = await self._commit_layout(job, rank, nbytes, req)
         if not isinstance(req.get("metadata", {}), dict):
             raise RequestError("metadata must be a JSON object")
         key = (job, step)
@@ -488,24 +500,95 @@ class Agent:
         self._leases.discard(slot)
         self._lease_conn.pop(slot, None)
         pend.sizes[rank] = nbytes
-        pend.entries[rank] = parsed
+        pend.entries[rank] = values
+        pend.layouts[rank] = layout.digest
         pend.nodes[rank] = self.me
         pend.checksums[rank] = asyncio.ensure_future(asyncio.to_thread(checksum_file, slot, nbytes))
         self.stats["bytes_in"] += nbytes
         if self.members is not None:
-            asyncio.create_task(self._share(job, step, rank, world, nbytes, entries, pend))
+            asyncio.create_task(self._share(job, step, rank, world, nbytes, pend))
         if len(pend.sizes) == world:
             asyncio.create_task(self._finish_step(job, step, pend))
         return {"errors": self._take_errors(job)}
 
+    async def _commit_layout(self, job: str, rank: int, nbytes: int, req: dict) -> tuple[Layout, tuple]:
+        """The committing rank's layout and JSON values.
+
+        A trainer sends its layout's entries when the layout is new (or changed) and names it by digest
+        (``layout``) otherwise; ``values`` are its JSON values as ``[[name, value], ...]``. Entries that mix
+        tensor chunks and JSON values (``{"kind": "json"}``) are read too. A new layout is checked against
+        the shard, stored once in the memory tier and named by digest from then on. Raises
+        UnknownLayoutError for a digest this agent does not hold, so the trainer sends the entries.
+        """
+        where = f"rank {rank} layout"
+        values: list = []
+        entries = req.get("entries")
+        digest = req.get("layout")
+        if entries is not None:
+            parsed = validate_layout(entries, nbytes, where)
+            layout = Layout(tuple(e for e in parsed if isinstance(e, TensorChunk)))
+            values = [e for e in parsed if isinstance(e, JsonEntry)]
+            if digest is not None and digest != layout.digest:
+                raise RequestError(f"{where}: the entries sent have digest {layout.digest}, the commit names {digest}")
+        else:
+            if not isinstance(digest, str):
+                raise RequestError("a commit needs its layout: 'entries', or 'layout' (a digest) sent before")
+            keys.check_digest(digest)
+            layout = self._layouts.get((job, digest))
+            if layout is None:
+                try:
+                    data = await asyncio.to_thread(self.memory.get, keys.layout_key(job, digest))
+                    layout = Layout.from_bytes(data, digest)
+                except (KeyNotFoundError, ManifestError) as e:
+                    raise UnknownLayoutError(f"layout {digest} of {job} is not held by this agent ({e}): "
+                                             "send its entries") from e
+        raw = req.get("values") or []
+        if not isinstance(raw, list) or not all(isinstance(v, list) and len(v) == 2 and isinstance(v[0], str)
+                                                for v in raw):
+            raise RequestError("values must be a list of [name, value]")
+        values += [JsonEntry(n, v) for n, v in raw]
+        names = [c.name for c in layout.chunks] + [v.name for v in values]
+        if len(set(names)) != len(names):
+            raise RequestError(f"{where}: a name appears twice among the tensors and values")
+        try:
+            layout.check_fits(nbytes, f"rank {rank}")
+        except ManifestError as e:
+            raise RequestError(str(e)) from e
+        if (job, layout.digest) not in self._layouts:
+            if len(self._layouts) > 4096:  # a job that changes layouts all the time: forget the oldest
+                self._layouts.pop(next(iter(self._layouts)))
+            self._layouts[(job, layout.digest)] = layout
+        if ("memory", job, layout.digest) not in self._layout_at:
+            lkey = keys.layout_key(job, layout.digest)
+            if not await asyncio.to_thread(os.path.exists, self.memory.path(lkey)):
+                await asyncio.to_thread(self.memory.put, lkey, layout.to_bytes())
+            self._layout_at.add(("memory", job, layout.digest))
+        return layout, tuple(values)
+
+    async def _ensure_layout(self, place: str, tier: Tier, job: str, digest: str) -> None:
+        """Store the layout object ``digest`` in ``tier`` (``place`` names it) unless it is known to be there."""
+        if (place, job, digest) in self._layout_at:
+            return
+        lkey = keys.layout_key(job, digest)
+        try:
+            await asyncio.to_thread(tier.stat, lkey)
+        except KeyNotFoundError:
+            await asyncio.to_thread(tier.put, lkey, self.memory.path(lkey))
+        self._layout_at.add((place, job, digest))
+
     # ------------------------------------------------------------------ peers
-    async def _share(self, job: str, step: int, rank: int, world: int, nbytes: int, entries: list,
-                     pend: _Pending) -> None:
+    async def _share(self, job: str, step: int, rank: int, world: int, nbytes: int, pend: _Pending) -> None:
         """Tell every live peer about a local shard (for its manifest), and copy it to its placement targets."""
         key = keys.shard_key(job, step, rank)
         path = self.memory.path(key)
-        copies = [asyncio.ensure_future(self._push(r, key, path, nbytes, pend.checksums[rank]))
-                  for r in self.members.targets(self.me)]
+        digest = pend.layouts[rank]
+
+        async def copy(r: int) -> bool:
+            if not await self._push_layout(r, job, digest):
+                return False
+            return await self._push(r, key, path, nbytes, pend.checksums[rank])
+
+        copies = [asyncio.ensure_future(copy(r)) for r in self.members.targets(self.me)]
         under_way = self._copies.setdefault((job, step), set())
         for f in copies:
             under_way.add(f)
@@ -523,7 +606,8 @@ class Agent:
         except Exception:
             await asyncio.gather(*copies, return_exceptions=True)
             return
-        record = {"job": job, "step": step, "rank": rank, "world": world, "nbytes": nbytes, "entries": entries,
+        record = {"job": job, "step": step, "rank": rank, "world": world, "nbytes": nbytes, "layout": digest,
+                  "values": [[e.name, e.value] for e in pend.entries[rank]],
                   "checksum": checksum, "save_index": pend.save_index, "metadata": pend.metadata, "node": self.me}
         alive = self.members.alive() - {self.me}
 
@@ -592,6 +676,32 @@ class Agent:
             st.debt_bytes -= nbytes
             self._pushing.discard((r, key))
 
+    async def _push_layout(self, r: int, job: str, digest: str) -> bool:
+        """Make sure node ``r`` holds the layout object ``digest`` (sent once per peer, before any shard using it).
+
+        Concurrent callers for the same copy share one transfer and all wait for it, so no shard that names
+        the layout reaches ``r`` before the layout does."""
+        if (f"node-{r}", job, digest) in self._layout_at:
+            return True
+        k = (r, job, digest)
+        fut = self._layout_pushes.get(k)
+        if fut is None:
+            fut = self._layout_pushes[k] = asyncio.ensure_future(self._send_layout(r, job, digest))
+            fut.add_done_callback(lambda _f: self._layout_pushes.pop(k, None))
+        return await asyncio.shield(fut)
+
+    async def _send_layout(self, r: int, job: str, digest: str) -> bool:
+        lkey = keys.layout_key(job, digest)
+        try:
+            data = await asyncio.to_thread(self.memory.get, lkey)
+        except (TierError, OSError) as e:
+            self._peer_error(r, e)
+            return False
+        if await self._push(r, lkey, data, len(data)):
+            self._layout_at.add((f"node-{r}", job, digest))
+            return True
+        return False
+
     def _peer_error(self, r: int, e: BaseException) -> None:
         st = self.members.peers[r]
         st.errors += 1
@@ -610,7 +720,12 @@ class Agent:
             world, nbytes, node = int(rec["world"]), int(rec["nbytes"]), int(rec["node"])
             if not 0 <= rank < world or nbytes < 0 or not isinstance(rec["checksum"], str):
                 raise RequestError("rank, world, nbytes or checksum out of range")
-            parsed = tuple(validate_layout(rec["entries"], nbytes, f"rank {rank} layout"))
+            digest = keys.check_digest(rec["layout"])
+            raw = rec.get("values") or []
+            if not isinstance(raw, list) or not all(isinstance(v, list) and len(v) == 2 and isinstance(v[0], str)
+                                                    for v in raw):
+                raise RequestError("values must be a list of [name, value]")
+            values = tuple(JsonEntry(n, v) for n, v in raw)
             if not isinstance(rec.get("metadata", {}), dict):
                 raise RequestError("metadata must be a JSON object")
         except (ValueError, KeyError, TypeError) as e:
@@ -627,7 +742,8 @@ class Agent:
             return web.Response(status=409, text=f"world {world} differs from {pend.world}\n")
         if rank not in pend.sizes:
             pend.sizes[rank] = nbytes
-            pend.entries[rank] = parsed
+            pend.entries[rank] = values
+            pend.layouts[rank] = digest
             pend.nodes[rank] = node
             fut = asyncio.get_running_loop().create_future()
             fut.set_result(rec["checksum"])
@@ -768,6 +884,7 @@ class Agent:
 
             await asyncio.gather(*(beat(r) for r in self.members.peers))
             for r in self.members.sweep():
+                self._layout_at = {p for p in self._layout_at if p[0] != f"node-{r}"}
                 log.warning("node %d (%s) declared dead: silent for %.1f s", r, self.members.nodes[r].addr,
                             self.settings.dead_after)
                 self._heal_now.set()
@@ -828,6 +945,11 @@ class Agent:
                     for r in want:
                         if r not in held or key in held[r]:
                             continue
+                        if sh.layout and keys.layout_key(job, sh.layout) not in held[r]:
+                            self._layout_at.discard((f"node-{r}", job, sh.layout))  # it came back empty
+                            if not await self._push_layout(r, job, sh.layout):
+                                continue
+                            held[r].add(keys.layout_key(job, sh.layout))
                         if await self._push(r, key, self.memory.path(key), sh.size, sh.checksum):
                             made += 1
                             held[r].add(key)
@@ -933,9 +1055,29 @@ class Agent:
 
         if not all(await asyncio.gather(*(one(sh) for sh in mine))):
             return False
+        for digest in sorted({sh.layout for sh in mine if sh.layout}):
+            if not await self._pull_layout(job, digest, [holder] + sorted(listings)):
+                return False
         await asyncio.to_thread(self.memory.put, mkey, data)
         st["steps"][job] = step
         return True
+
+    async def _pull_layout(self, job: str, digest: str, nodes: list[int]) -> bool:
+        """Copy the layout object ``digest`` into local memory from the first of ``nodes`` that has it intact."""
+        lkey = keys.layout_key(job, digest)
+        if await asyncio.to_thread(os.path.exists, self.memory.path(lkey)):
+            return True
+        for r in dict.fromkeys(nodes):
+            try:
+                data = await asyncio.to_thread(self.peer_tiers[r].get, lkey)
+                Layout.from_bytes(data, digest)
+            except (TierError, OSError, ManifestError) as e:
+                self.prefetch["errors"].append(f"{lkey} from node {r}: {e}")
+                continue
+            await asyncio.to_thread(self.memory.put, lkey, data)
+            self._layout_at.add(("memory", job, digest))
+            return True
+        return False
 
     async def _op_prefetch(self, conn: _Conn, req: dict) -> dict:
         """The warm restore's report; with ``timeout`` (seconds), wait up to that long for it to finish."""
@@ -950,9 +1092,8 @@ class Agent:
         try:
             shards = []
             for r in range(pend.world):
-                shards.append(ShardInfo(r, pend.sizes[r], await pend.checksums[r],
-                                        pend.entries[r],
-                                        pend.nodes.get(r, self.me)))
+                shards.append(ShardInfo(r, pend.sizes[r], await pend.checksums[r], pend.entries[r],
+                                        pend.nodes.get(r, self.me), pend.layouts[r]))
             meta = dict(pend.metadata)
             meta["save_index"] = pend.save_index
             m = Manifest(job, step, pend.world, tuple(shards), meta, created=pend.created)
@@ -970,6 +1111,7 @@ class Agent:
         if not targets:
             self._settled[key].set()
         await self._trim_memory(job)
+        await self._trim_layouts(self.memory, job)
 
     def _targets(self, save_index: int) -> list[Tier]:
         out = []
@@ -1012,6 +1154,8 @@ class Agent:
             with contextlib.suppress(Exception):
                 await self._trim(tier, job)
             await self._trim_memory(job)
+            if tier is self.disk:
+                await self._trim_layouts(tier, job)
 
     def _drained(self, tier: Tier, job: str, step: int) -> None:
         left = self._draining.get((job, step))
@@ -1040,6 +1184,9 @@ class Agent:
         mine = [s for s in m.shards if s.node == self.me]
         if not mine:
             return  # this node took no shard of the step from a trainer: nothing of it is this node's to write
+        # layouts first (once per tier), then shards, then the manifest: what a manifest names is always there
+        for digest in sorted({s.layout for s in mine if s.layout}):
+            await self._ensure_layout(tier.name, tier, job, digest)
         await asyncio.gather(*(one(s.rank, s.size) for s in mine))
         nbytes = sum(s.size for s in mine)
         if tier is self.s3 and len(mine) < len(m.shards):
@@ -1099,6 +1246,49 @@ class Agent:
             await asyncio.to_thread(self._delete_step, self.memory, job, s)
         async with self._slot_cond:
             self._slot_cond.notify_all()
+
+    async def _trim_layouts(self, tier: Tier, job: str) -> None:
+        """Delete the layout objects of ``job`` in a tier only this node writes (its memory or disk) that no
+        manifest there names and no step being committed uses, once older than ``layout_grace`` seconds (a
+        layout is stored before the manifest that names it). The shared S3 prefix keeps its layouts: another
+        node may be writing a step that names one; ``ckpt gc --all`` removes them with the job."""
+        last = self._layouts_trimmed.get((tier.name, job), 0.0)
+        if time.monotonic() - last < min(60.0, self.settings.layout_grace):
+            return  # at most once a minute: layouts change rarely, and this reads every manifest of the job
+        self._layouts_trimmed[(tier.name, job)] = time.monotonic()
+        using = {d for (j, _), p in self._pending.items() if j == job for d in p.layouts.values()}
+
+        def run() -> list[str]:
+            listed = tier.list(keys.layouts_prefix(job))
+            if not listed:
+                return []
+            inv = scan_tier(tier, job, with_sizes=False)
+            steps = inv.job(job).values()
+            if inv.error is not None or any(st.has_manifest and st.manifest is None for st in steps):
+                return []  # a manifest that cannot be read may name any of them
+            named = using | {d for st in steps for d in st.manifest.layouts}
+            now, dropped = time.time(), []
+            for key in listed:
+                parsed = keys.parse_layout_key(key)
+                if parsed is None or parsed[1] in named:
+                    continue
+                with contextlib.suppress(KeyNotFoundError):
+                    if now - tier.stat(key).mtime > self.settings.layout_grace:
+                        tier.delete(key)
+                        dropped.append(parsed[1])
+            return dropped
+
+        try:
+            dropped = await asyncio.to_thread(run)
+        except (TierError, OSError) as e:
+            log.warning("%s: layouts in the %s tier not trimmed: %s", job, tier.name, e)
+            return
+        place = "memory" if tier is self.memory else tier.name
+        for d in dropped:
+            self._layout_at.discard((place, job, d))
+            self._layouts.pop((job, d), None)
+        if dropped:
+            log.info("%s: %d layouts no retained step names removed from %s", job, len(dropped), tier.name)
 
     async def _trim_all(self) -> None:
         for job in {k[0] for k in self._draining} | set((await asyncio.to_thread(scan_tier, self.memory)).steps):

@@ -60,7 +60,7 @@ from aiohttp import web
 
 from tiers import keys
 from tiers.checksum import Hasher
-from tiers.errors import KeyNotFoundError
+from tiers.errors import KeyNotFoundError, ManifestError
 from tiers.memory import MemoryTier
 from tiers.wire import (
     CHECKSUM_RE,
@@ -118,6 +118,18 @@ class _Refuse(asyncio.Protocol):
 
 class PeerServerError(ValueError):
     """The peer server cannot be set up as asked (e.g. an unauthenticated public address)."""
+
+
+def _layout_problem(path: str, digest: str) -> str:
+    """Why the layout object in ``path`` is not the layout ``digest`` names ("" when it is)."""
+    from tiers.layout import Layout
+
+    try:
+        with open(path, "rb") as f:
+            Layout.from_bytes(f.read(), digest)
+    except ManifestError as e:
+        return str(e)
+    return ""
 
 
 def _is_loopback(host: str) -> bool:
@@ -404,12 +416,13 @@ class PeerServer:
     def _key(self, request: web.Request) -> str:
         key = request.match_info["key"]
         try:
-            ok = len(key) <= MAX_KEY_LEN and keys.parse_key(key) is not None and bool(self.memory.path(key))
+            ok = len(key) <= MAX_KEY_LEN and (keys.parse_key(key) is not None or keys.parse_layout_key(key) is not None) \
+                and bool(self.memory.path(key))
         except KeyNotFoundError:
             ok = False  # a name the memory folder refuses (dot-files are private to it)
         if not ok:
-            raise _Refused(_text(400, f"invalid key {key[:MAX_KEY_LEN]!r}: expected <job>/step-<N>/rank-<R>.shard "
-                                      "or <job>/step-<N>/manifest.json"))
+            raise _Refused(_text(400, f"invalid key {key[:MAX_KEY_LEN]!r}: expected <job>/step-<N>/rank-<R>.shard, "
+                                      "<job>/step-<N>/manifest.json or <job>/layouts/<digest>.layout"))
         return key
 
     # -- routes ----------------------------------------------------------------------------
@@ -430,7 +443,7 @@ class PeerServer:
         entries: list[list[Any]] = []
         more = False
         for key in self.memory.list(prefix):
-            if key <= after or keys.parse_key(key) is None:
+            if key <= after or (keys.parse_key(key) is None and keys.parse_layout_key(key) is None):
                 continue
             try:
                 st = os.stat(self.memory.path(key))
@@ -478,7 +491,8 @@ class PeerServer:
         if size > self.max_body:
             raise _Refused(_text(413, f"{key}: {size} bytes is more than this node accepts ({self.max_body})"))
         checksum = request.headers.get(H_CHECKSUM)
-        if checksum is None and not keys.parse_key(key).is_manifest:
+        info = keys.parse_key(key)
+        if checksum is None and info is not None and not info.is_manifest:
             raise _Refused(_text(400, f"{H_CHECKSUM} required for shard uploads"))
         if checksum is not None and not CHECKSUM_RE.match(checksum):
             raise _Refused(_text(400, f"malformed {H_CHECKSUM} {checksum[:80]!r}"))
@@ -554,6 +568,13 @@ class PeerServer:
                 return _text(422, f"{key}: body checksum {got} does not match {H_CHECKSUM} {expected}")
             os.close(fd)
             fd = None
+            lay = keys.parse_layout_key(key)
+            if lay is not None:
+                # a layout names itself: one that does not match its digest is never stored
+                problem = await loop.run_in_executor(None, _layout_problem, tmp, lay[1])
+                if problem:
+                    self._checksum_mismatches += 1
+                    return _text(422, f"{key}: {problem}")
             os.rename(tmp, path)
             tmp = None
         except OSError as e:

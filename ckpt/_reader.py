@@ -41,7 +41,7 @@ class PlanReader(StorageReader):
         # (fqn, chunk offsets) -> (rank, entry)
         self._where: dict[tuple[str, tuple[int, ...]], tuple[int, TensorChunk]] = {}
         for sh in plan.manifest.shards:
-            for e in sh.entries:
+            for e in plan.entries(sh.rank):
                 if isinstance(e, TensorChunk):
                     self._where.setdefault((e.name, e.offsets), (sh.rank, e))
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import contextlib
+import dataclasses
 import logging
 import mmap
 import os
@@ -47,6 +48,7 @@ from recovery.planner import StepNotFoundError
 from tiers import keys
 from tiers.base import Tier
 from tiers.disk import DiskTier
+from tiers.layout import Layout
 from tiers.manifest import JsonEntry, TensorChunk
 from tiers.memory import MemoryTier
 
@@ -258,6 +260,9 @@ class Checkpointer:
         self._maps: dict[str, tuple[int, mmap.mmap, torch.Tensor | None]] = {}
         self._devices: dict[str, DeviceAdapter] = {}
         self._inflight: SaveFuture | None = None
+        #: the last layout this rank saved, and the digest of the last one the agent accepted
+        self._last_layout: Layout | None = None
+        self._layout_sent: str | None = None
         self._errors: list[str] = []
         self._hooks: dict[int, Any] = {}
         self._lock = threading.Lock()
@@ -380,7 +385,7 @@ class Checkpointer:
             self._wait_guarded()
             self._raise_pending()
         flat = flatten_state(state)
-        entries, copies, total = self._layout(flat)
+        layout, values, copies, total = self._layout(flat)
         slot = self._take_prelease(total)
         if slot is None:
             resp = self._client.call("begin", job=self.job, rank=self.rank, world=self.world, nbytes=total)
@@ -408,9 +413,8 @@ class Checkpointer:
                 for done in waits:
                     done()
                 fut.staged_at = time.perf_counter()
-                r = self._client.call("commit", job=self.job, step=step, rank=self.rank, world=self.world,
-                                      slot=slot, nbytes=total, entries=entries, save_index=step // self.every,
-                                      metadata=meta)
+                r = self._commit(step=step, slot=slot, nbytes=total, layout=layout, values=values,
+                                 save_index=step // self.every, metadata=meta)
                 self._collect(r)
                 # queued before the save is reported staged, so the next save always sees (and waits for) it
                 self._prelease_fut = self._leaser.submit(self._prelease, total)
@@ -513,25 +517,46 @@ class Checkpointer:
             dst = buf[off : off + n].view(src.dtype).view(src.shape)
             dst.copy_(src)
 
-    def _layout(self, flat: Flat) -> tuple[list[dict], list[tuple[torch.Tensor, int, int, bool]], int]:
-        entries: list[dict] = []
+    def _commit(self, *, layout: Layout, **kw: Any) -> dict:
+        """Tell the agent the shard is staged. The layout's entries go only when the agent has not had them:
+        it stores each layout once and every later commit names it by digest."""
+        send = layout.digest != self._layout_sent
+        for attempt in range(2):
+            try:
+                r = self._client.call("commit", job=self.job, rank=self.rank, world=self.world,
+                                      layout=layout.digest, **({"entries": layout.to_json()} if send else {}), **kw)
+                self._layout_sent = layout.digest
+                return r
+            except AgentError as e:
+                if e.kind != "UnknownLayoutError" or send:
+                    raise
+                send = True  # the agent restarted, or dropped it: send the entries again
+        raise AssertionError("unreachable")
+
+    def _layout(self, flat: Flat) -> tuple[Layout, list[list], list[tuple[torch.Tensor, int, int, bool]], int]:
+        chunks: list[TensorChunk] = []
+        values: list[list] = []
         copies = []
         off = 0
         for leaf in flat.leaves:
             if leaf.tensor is None:
                 v = list(leaf.value) if isinstance(leaf.value, tuple) else leaf.value
-                entries.append(JsonEntry(leaf.name, v).to_json())
+                values.append([leaf.name, v])
                 continue
             local, gshape, offsets = _local(leaf.tensor)
             if local.requires_grad:  # state-dict entries come detached; on XLA a detach is a traced op
                 local = local.detach()
             n = local.numel() * local.element_size()
             off = (off + _ALIGN - 1) // _ALIGN * _ALIGN
-            entries.append(TensorChunk(leaf.name, _dtype_name(local.dtype), gshape, offsets,
-                                       tuple(local.shape), off, n).to_json())
+            chunks.append(TensorChunk(leaf.name, _dtype_name(local.dtype), gshape, offsets,
+                                      tuple(local.shape), off, n))
             copies.append((local, off, n, leaf.guarded))
             off += n
-        return entries, copies, off
+        layout = Layout(tuple(chunks))
+        if layout == self._last_layout:
+            layout = self._last_layout  # keeps its digest: computed once while the layout does not change
+        self._last_layout = layout
+        return layout, values, copies, off
 
     # ------------------------------------------------------------------ wait / close
     def _agent_wait(self, step: int | None, timeout: float | None) -> None:
@@ -722,7 +747,7 @@ class Checkpointer:
 
         flat = flatten_state(state, for_restore=True)
         tensors = {leaf.name: leaf.tensor for leaf in flat.leaves if leaf.tensor is not None}
-        saved = {e.name for sh in plan.manifest.shards for e in sh.entries if isinstance(e, TensorChunk)}
+        saved = {e.name for sh in plan.manifest.shards for e in plan.entries(sh.rank) if isinstance(e, TensorChunk)}
         missing = sorted(set(tensors) - saved)
         if missing:
             raise StateMismatchError(f"step {plan.step} of {plan.job!r} has no {', '.join(missing[:5])}: the "
@@ -755,7 +780,7 @@ class Checkpointer:
             if report is not None:
                 return report
             rest = rest[1:]  # damaged or unreachable there: the next place, in order
-        plan = RestorePlan(plan.job, plan.step, plan.manifest, plan.manifest_tier, {**plan.sources, self.rank: rest})
+        plan = dataclasses.replace(plan, sources={**plan.sources, self.rank: rest})
         keep: list[torch.Tensor] = []
         shard = open_shard(plan, self.rank, buffer_allocator(keep), verify=self.verify)
         try:
@@ -853,7 +878,7 @@ class Checkpointer:
     @staticmethod
     def _target(plan: RestorePlan, state: dict, info: Any) -> tuple[dict, Flat]:
         """The shard's entries by name and the flattened state to fill; StateMismatchError if names are missing."""
-        by_name = {e.name: e for e in info.entries}
+        by_name = {e.name: e for e in plan.entries(info.rank)}
         flat = flatten_state(state, for_restore=True)
         missing = [leaf.name for leaf in flat.leaves if leaf.name not in by_name]
         if missing:

@@ -238,7 +238,7 @@ def cmd_show(a: argparse.Namespace) -> int:
     tensors: dict[str, list] = {}
     values: dict[str, Any] = {}
     for sh in m.shards:
-        for e in sh.entries:
+        for e in plan.entries(sh.rank):
             if isinstance(e, TensorChunk):
                 tensors.setdefault(e.name, []).append((sh.rank, e))
             elif sh.rank == 0:
@@ -384,7 +384,7 @@ def cmd_restore(a: argparse.Namespace) -> int:
         def on_shard(rank: int, view: memoryview, rep: Any) -> None:
             sh = m.shard(rank)
             buf = torch.frombuffer(view, dtype=torch.uint8) if sh.size else torch.empty(0, dtype=torch.uint8)
-            for e in sh.entries:
+            for e in plan.entries(rank):
                 if isinstance(e, JsonEntry):
                     continue
                 full = out.get(e.name)

@@ -8,6 +8,7 @@ parallel under a memory bound and hands each to the caller as it completes;
 from __future__ import annotations
 
 import concurrent.futures as cf
+import dataclasses
 import logging
 import mmap
 import os
@@ -141,7 +142,7 @@ def open_shard(plan: RestorePlan, rank: int, alloc: Callable[[int], memoryview],
         local = getattr(tier, "local_file", None)
         path = local(key) if local is not None and info.size else None
         if path is None:
-            sub = RestorePlan(plan.job, plan.step, plan.manifest, plan.manifest_tier, {rank: [tier]})
+            sub = dataclasses.replace(plan, sources={rank: [tier]})
             buf = alloc(info.size)
             try:
                 rep = fetch_shard(sub, rank, buf, verify=verify)

@@ -55,6 +55,8 @@ class TierInventory:
     steps: dict[str, dict[int, StepInTier]] = field(default_factory=dict)
     error: BaseException | None = None
     latency: float | None = None
+    #: per job, the digests of the layout objects the tier holds
+    layouts: dict[str, set[str]] = field(default_factory=dict)
 
     @property
     def name(self) -> str:
@@ -88,6 +90,9 @@ def scan_tier(tier: Tier, job: str | None = None, *, with_sizes: bool = True) ->
     for key in listed:
         info = keys.parse_key(key)
         if info is None:
+            lay = keys.parse_layout_key(key)
+            if lay is not None:
+                inv.layouts.setdefault(lay[0], set()).add(lay[1])
             continue
         st = inv.steps.setdefault(info.job, {}).setdefault(info.step, StepInTier(info.job, info.step))
         if info.is_manifest:

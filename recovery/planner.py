@@ -11,13 +11,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from tiers import keys
 from tiers.base import Tier
-from tiers.manifest import Manifest
+from tiers.errors import ManifestError, TierError
+from tiers.layout import Layout
+from tiers.manifest import Entry, Manifest
 
 from .costs import CostModel
 from .inventory import TierInventory
 
-__all__ = ["JobNotFoundError", "RestorePlan", "StepNotFoundError", "complete_steps", "plan_restore"]
+__all__ = ["JobNotFoundError", "LayoutUnavailableError", "RestorePlan", "StepNotFoundError", "complete_steps",
+           "load_layouts", "plan_restore"]
 
 
 class JobNotFoundError(FileNotFoundError):
@@ -42,6 +46,15 @@ class RestorePlan:
     manifest_tier: Tier
     sources: dict[int, list[Tier]] = field(default_factory=dict)
     estimates: dict[int, float] = field(default_factory=dict)
+    #: the layouts of the planned ranks, by digest (read and verified while planning)
+    layouts: dict[str, Layout] = field(default_factory=dict)
+
+    def entries(self, rank: int) -> tuple[Entry, ...]:
+        """What ``rank`` saved: its tensor chunks (from its layout) and its JSON values."""
+        sh = self.manifest.shard(rank)
+        if not sh.layout:
+            return sh.entries
+        return self.layouts[sh.layout].chunks + sh.entries
 
 
 def _candidates(invs: list[TierInventory], job: str) -> dict[int, tuple[Manifest, Tier]]:
@@ -77,6 +90,45 @@ def complete_steps(invs: list[TierInventory], job: str, ranks: list[int] | None 
                   if _sources(invs, job, s, m, ranks) is not None)
 
 
+def load_layouts(invs: list[TierInventory], job: str, m: Manifest,
+                 sources: dict[int, list[Tier]]) -> dict[str, Layout]:
+    """Read and verify the layouts of the ranks in ``sources``, each from the first tier that has it intact.
+
+    A rank's layout is looked for in the tiers that hold its shard (in plan
+    order), then in every other tier listed. Raises LayoutUnavailableError
+    naming what each tier answered when a layout cannot be read intact anywhere.
+    """
+    out: dict[str, Layout] = {}
+    for rank in sorted(sources):
+        sh = m.shard(rank)
+        if not sh.layout or sh.layout in out:
+            continue
+        order = list(sources[rank]) + [inv.tier for inv in invs if inv.tier not in sources[rank]]
+        tried = []
+        for tier in order:
+            inv = next((i for i in invs if i.tier is tier), None)
+            if inv is None or sh.layout not in inv.layouts.get(job, ()):
+                continue
+            try:
+                layout = Layout.from_bytes(tier.get(keys.layout_key(job, sh.layout)), sh.layout)
+                layout.check_fits(sh.size, f"rank {rank}")
+            except (ManifestError, TierError, OSError) as e:
+                tried.append(f"{tier.name}: {e}")
+                continue
+            out[sh.layout] = layout
+            break
+        else:
+            where = "; ".join(tried) or "no tier holds it"
+            raise LayoutUnavailableError(
+                f"step {m.step} of job {job!r}: the layout {sh.layout} of rank {rank} cannot be read intact "
+                f"({where}); `ckpt verify {job} --step {m.step}` shows what is damaged")
+    return out
+
+
+class LayoutUnavailableError(StepNotFoundError):
+    """A step's manifest names a layout that no reachable tier holds intact."""
+
+
 def plan_restore(invs: list[TierInventory], job: str, step: int | None = None,
                  ranks: list[int] | None = None, costs: CostModel | None = None) -> RestorePlan:
     """Plan the restore of ``step`` (the newest complete one if None) for ``ranks`` (all if None).
@@ -104,7 +156,7 @@ def plan_restore(invs: list[TierInventory], job: str, step: int | None = None,
         if src is not None:
             est = {} if costs is None else \
                 {r: costs.estimate(where[0], m.shard(r).size) for r, where in src.items()}
-            return RestorePlan(job, s, m, mt, src, est)
+            return RestorePlan(job, s, m, mt, src, est, load_layouts(invs, job, m, src))
     done = complete_steps(invs, job, ranks)
     if step is None:
         raise StepNotFoundError(f"job {job!r} has no complete step in any tier (a save may have been cut short)")

@@ -253,13 +253,16 @@ def test_restore_orders_sources_by_the_costs_this_node_learned(cluster, tmp_path
     c.kill(0)
     c.args += ["--no-prefetch"]
     c.procs[0] = start_agent(c.shm(0), "--node-rank", "0", *c.args, "--disk", disk)
-    model = torch.nn.Linear(256, 256)
+    # 16 MiB: by the priors the peer is ahead of the disk by ~4 ms at this size, more than the inventory's
+    # manifest-read latency samples can move either estimate (one sample moves a latency by under 0.5 ms),
+    # so a loaded machine cannot flip the order before the test teaches the model otherwise
+    model = torch.nn.Linear(2048, 2048)
     with ckpt.Checkpointer("cost", shm=c.shm(0), spawn=False) as ck:
         ck.save(1, {"model": model}).wait()
     c.wait_for(lambda: c.holds(1, "cost", 1), "the replica on node 1")
     c.kill(0)
     c.procs[0] = start_agent(c.shm(0), "--node-rank", "0", *c.args, "--disk", disk)
-    fresh = torch.nn.Linear(256, 256)
+    fresh = torch.nn.Linear(2048, 2048)
     with ckpt.Checkpointer("cost", shm=c.shm(0), spawn=False) as ck:
         assert ck.restore({"model": fresh}) == 1
         first = ck.last_restore.shards[0]

@@ -202,7 +202,7 @@ def test_malformed_manifests_are_rejected(data):
 
 def test_newer_version_says_to_upgrade():
     with pytest.raises(ManifestError, match="upgrade"):
-        Manifest.from_bytes(corrupt("version", 2))
+        Manifest.from_bytes(corrupt("version", 3))
 
 
 def test_manifest_stored_under_another_job_or_step_is_rejected():

@@ -4,6 +4,8 @@ Layout, identical in every tier (memory folder, disk folder, S3 prefix, peer)::
 
     <job>/step-<N>/rank-<R>.shard     the bytes one rank saved at step N
     <job>/step-<N>/manifest.json      the step's index; written last (commit point)
+    <job>/layouts/<digest>.layout     one rank's chunk list (Parquet), stored once and
+                                      shared by every step (and rank) that saved it
 
 Keys use ``/`` as separator in every tier; a tier maps them onto its own
 namespace (a path below its root folder, an object name below its prefix).
@@ -28,6 +30,10 @@ __all__ = [
     "shard_key",
     "manifest_key",
     "parse_key",
+    "layout_key",
+    "layouts_prefix",
+    "parse_layout_key",
+    "check_digest",
 ]
 
 JOB_RE = re.compile(r"^[A-Za-z0-9._-]{1,128}\Z")
@@ -37,6 +43,9 @@ MAX_STEP = 10**18 - 1
 MAX_RANK = 10**9 - 1
 _STEP_DIR_RE = re.compile(r"^step-(0|[1-9][0-9]{0,17})\Z")
 _SHARD_RE = re.compile(r"^rank-(0|[1-9][0-9]{0,8})\.shard\Z")
+LAYOUTS_DIR = "layouts"
+_DIGEST_RE = re.compile(r"^[0-9a-f]{32}\Z")
+_LAYOUT_RE = re.compile(r"^([0-9a-f]{32})\.layout\Z")
 
 
 def check_job(job: str) -> str:
@@ -81,6 +90,35 @@ def shard_key(job: str, step: int, rank: int) -> str:
 def manifest_key(job: str, step: int) -> str:
     """Key of the step's manifest (the commit point)."""
     return f"{step_prefix(job, step)}{MANIFEST_NAME}"
+
+
+def check_digest(digest: str) -> str:
+    """Return ``digest`` if it is a layout digest (32 lowercase hex digits), else raise InvalidNameError."""
+    if not isinstance(digest, str) or not _DIGEST_RE.match(digest):
+        raise InvalidNameError(f"invalid layout digest {digest!r}: expected 32 lowercase hex digits")
+    return digest
+
+
+def layouts_prefix(job: str) -> str:
+    """Prefix of the job's layout objects, ending in ``/``."""
+    return f"{check_job(job)}/{LAYOUTS_DIR}/"
+
+
+def layout_key(job: str, digest: str) -> str:
+    """Key of the layout object with content digest ``digest``."""
+    return f"{layouts_prefix(job)}{check_digest(digest)}.layout"
+
+
+def parse_layout_key(key: str) -> tuple[str, str] | None:
+    """``(job, digest)`` for a layout key; None for anything else."""
+    parts = key.split("/")
+    if len(parts) != 3 or parts[1] != LAYOUTS_DIR:
+        return None
+    job, _, name = parts
+    if not JOB_RE.match(job) or job in (".", ".."):
+        return None
+    m = _LAYOUT_RE.match(name)
+    return (job, m.group(1)) if m else None
 
 
 @dataclass(frozen=True)

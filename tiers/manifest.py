@@ -1,7 +1,17 @@
 """The manifest: one step's global index, versioned JSON, never pickled.
 
 A manifest says, for one ``(job, step)``: the world size, every rank's shard
-(size in bytes and checksum), and every entry each rank saved in its shard:
+(size in bytes and checksum), and what each rank saved in its shard.
+
+Version 2 (written now) keeps the manifest small and independent of the
+model's size: each shard row names the rank's *layout* (its tensor chunks,
+stored once under ``<job>/layouts/<digest>.layout``: see :mod:`tiers.layout`)
+by digest and carries the rank's small JSON values inline, and the manifest
+carries a checksum of its own canonical bytes (``checksum``, last field), so a
+byte edited anywhere in it is refused, even one that keeps it parseable.
+Version 1 (still read) held every entry inline and no checksum of its own.
+
+The entries a rank saved:
 
 * a tensor chunk: ``name``, ``dtype`` (torch dtype name without ``torch.``),
   ``global_shape`` (the whole tensor), ``offsets`` and ``shape`` (this chunk's
@@ -27,8 +37,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from .errors import ManifestError
-from .keys import check_job, check_step
+import xxhash
+
+from .errors import InvalidNameError, ManifestError
+from .keys import check_digest, check_job, check_step
 
 __all__ = [
     "MANIFEST_FORMAT",
@@ -42,7 +54,7 @@ __all__ = [
 ]
 
 MANIFEST_FORMAT = "tierckpt-manifest"
-MANIFEST_VERSION = 1
+MANIFEST_VERSION = 2
 MAX_MANIFEST_BYTES = 256 * 1024 * 1024
 
 #: bytes per element of every dtype a shard may hold
@@ -178,17 +190,30 @@ def validate_layout(entries: list[dict], size: int | None = None, where: str = "
 
 @dataclass(frozen=True)
 class ShardInfo:
-    """One rank's shard: its size in bytes, its checksum, what it holds, and the node that saved it."""
+    """One rank's shard: its size in bytes, its checksum, what it holds, and the node that saved it.
+
+    ``layout`` is the digest of the rank's layout object (its tensor chunks);
+    ``entries`` then holds only the rank's JSON values. A version-1 manifest
+    has no layout digest (``""``) and every entry inline.
+    """
 
     rank: int
     size: int
     checksum: str
     entries: tuple[Entry, ...] = ()
     node: int = 0
+    layout: str = ""
 
     def to_json(self) -> dict:
-        return {"rank": self.rank, "size": self.size, "checksum": self.checksum, "node": self.node,
-                "entries": [e.to_json() for e in self.entries]}
+        if not self.layout:
+            return {"rank": self.rank, "size": self.size, "checksum": self.checksum, "node": self.node,
+                    "entries": [e.to_json() for e in self.entries]}
+        out = {"rank": self.rank, "size": self.size, "checksum": self.checksum, "node": self.node,
+               "layout": self.layout}
+        values = [[e.name, e.value] for e in self.entries if isinstance(e, JsonEntry)]
+        if values:
+            out["values"] = values
+        return out
 
 
 @dataclass(frozen=True)
@@ -202,7 +227,12 @@ class Manifest:
     metadata: dict = field(default_factory=dict)
     created: float = field(default_factory=time.time)
     library: str = "tierckpt"
-    version: int = MANIFEST_VERSION
+    #: the format version: 2 when every shard names a layout, else 1 (entries inline); derived when 0
+    version: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.version:
+            object.__setattr__(self, "version", MANIFEST_VERSION if all(s.layout for s in self.shards) else 1)
 
     @property
     def total_bytes(self) -> int:
@@ -212,6 +242,11 @@ class Manifest:
     def shard(self, rank: int) -> ShardInfo:
         return self.shards[rank]
 
+    @property
+    def layouts(self) -> set[str]:
+        """Digests of the layout objects this manifest names (empty for version 1)."""
+        return {s.layout for s in self.shards if s.layout}
+
     def to_json(self) -> dict:
         return {
             "format": MANIFEST_FORMAT, "version": self.version, "library": self.library,
@@ -220,8 +255,12 @@ class Manifest:
         }
 
     def to_bytes(self) -> bytes:
-        """Serialise to UTF-8 JSON."""
-        return json.dumps(self.to_json(), separators=(",", ":"), allow_nan=False).encode()
+        """Serialise to UTF-8 JSON; version 2 (every shard names a layout) ends with its own checksum."""
+        obj = self.to_json()
+        body = _dumps(obj)
+        if obj["version"] < 2:
+            return body
+        return body[:-1] + b',"checksum":' + json.dumps(_self_checksum(body)).encode() + b"}"
 
     @classmethod
     def from_bytes(cls, data: bytes | memoryview, *, job: str | None = None, step: int | None = None) -> "Manifest":
@@ -238,6 +277,18 @@ class Manifest:
             raise
         except (ValueError, RecursionError) as e:  # also over-long integers
             raise ManifestError(f"malformed manifest: not valid JSON ({e})") from e
+        if isinstance(obj, dict) and isinstance(obj.get("version"), int) and 2 <= obj["version"] <= MANIFEST_VERSION \
+                and obj.get("format") == MANIFEST_FORMAT:
+            claimed = obj.pop("checksum", None)
+            if not isinstance(claimed, str):
+                raise ManifestError("malformed manifest: version 2 without its own checksum")
+            try:
+                body = _dumps(obj)
+            except (ValueError, TypeError, RecursionError, OverflowError) as e:
+                raise ManifestError(f"malformed manifest: cannot be re-serialised ({e})") from e
+            if _self_checksum(body) != claimed:
+                raise ManifestError("manifest checksum mismatch: its bytes were changed after it was written "
+                                    "(damaged or edited); read the step from another tier")
         return cls.from_json(obj, job=job, step=step)
 
     @classmethod
@@ -273,16 +324,49 @@ class Manifest:
             checksum = _need(s, "checksum", str, where)
             if rank != r or size < 0:
                 raise ManifestError(f"malformed manifest: {where} has rank {rank} / size {size}")
-            entries = validate_layout(_need(s, "entries", list, where), size, f"{where}.entries")
+            if version == 1:
+                entries = validate_layout(_need(s, "entries", list, where), size, f"{where}.entries")
+                layout = ""
+            else:
+                layout = _need(s, "layout", str, where)
+                try:
+                    check_digest(layout)
+                except InvalidNameError as e:
+                    raise ManifestError(f"malformed manifest: {where}: {e}") from e
+                entries = _values(s.get("values", []), where)
             node = s.get("node", 0)
             if isinstance(node, bool) or not isinstance(node, int) or node < 0:
                 raise ManifestError(f"malformed manifest: {where}.node must be an int >= 0")
-            shards.append(ShardInfo(rank, size, checksum, tuple(entries), node))
+            shards.append(ShardInfo(rank, size, checksum, tuple(entries), node, layout))
         metadata = obj.get("metadata", {})
         if not isinstance(metadata, dict):
             raise ManifestError("malformed manifest: metadata must be an object")
         created = obj.get("created", 0.0)
-        if not isinstance(created, (int, float)) or isinstance(created, bool):
-            raise ManifestError("malformed manifest: created must be a number")
+        if not isinstance(created, (int, float)) or isinstance(created, bool) or not math.isfinite(created) \
+                or not 0 <= created < 1e11:
+            raise ManifestError("malformed manifest: created must be a time in seconds since 1970")
         return cls(m_job, m_step, world, tuple(shards), metadata, float(created),
                    str(obj.get("library", "")), version)
+
+
+def _dumps(obj: dict) -> bytes:
+    return json.dumps(obj, separators=(",", ":"), allow_nan=False).encode()
+
+
+def _self_checksum(body: bytes) -> str:
+    return f"xxh3_64:{xxhash.xxh3_64_hexdigest(body)}"
+
+
+def _values(rows: Any, where: str) -> list[JsonEntry]:
+    """A version-2 shard row's ``values``: ``[[name, value], ...]`` with distinct names."""
+    if not isinstance(rows, list):
+        raise ManifestError(f"malformed manifest: {where}.values must be a list")
+    out, names = [], set()
+    for i, row in enumerate(rows):
+        if not (isinstance(row, list) and len(row) == 2 and isinstance(row[0], str)):
+            raise ManifestError(f"malformed manifest: {where}.values[{i}] must be [name, value]")
+        if row[0] in names:
+            raise ManifestError(f"malformed manifest: {where}.values repeats the name {row[0]!r}")
+        names.add(row[0])
+        out.append(JsonEntry(row[0], row[1]))
+    return out

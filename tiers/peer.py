@@ -47,7 +47,7 @@ from tenacity import Retrying, retry_if_exception, stop_after_attempt, wait_expo
 from .base import ObjectInfo, Source, TierBase
 from .checksum import checksum_bytes
 from .errors import ChecksumMismatchError, KeyNotFoundError, TierError, TierFullError, TierUnavailableError
-from .keys import parse_key
+from .keys import parse_key, parse_layout_key
 from .wire import (
     H_CHECKSUM,
     H_MORE,
@@ -83,9 +83,14 @@ def parse_addr(addr: str) -> tuple[str, int]:
     return host, int(port)
 
 
+def _known(key: str) -> bool:
+    """A shard, manifest or layout key."""
+    return parse_key(key) is not None or parse_layout_key(key) is not None
+
+
 def _check_key(key: str) -> str:
     """``key`` if it is a shard or manifest key a peer's memory folder can hold, else KeyNotFoundError."""
-    if (not isinstance(key, str) or len(key) > MAX_KEY_LEN or parse_key(key) is None
+    if (not isinstance(key, str) or len(key) > MAX_KEY_LEN or not _known(key)
             or any(part.startswith(".") for part in key.split("/"))):
         raise KeyNotFoundError(errno.ENOENT, f"invalid key {key!r}")
     return key
@@ -604,7 +609,7 @@ class PeerTier(TierBase):
                 if (not isinstance(entry, list) or len(entry) != 2 or not isinstance(entry[0], str)
                         or not isinstance(entry[1], int) or entry[1] < 0):
                     raise TierError(errno.EPROTO, f"{self.describe()}: malformed list entry {entry!r:.100}")
-                if entry[0].startswith(prefix) and entry[0] > after and parse_key(entry[0]) is not None:
+                if entry[0].startswith(prefix) and entry[0] > after and _known(entry[0]):
                     out.append((entry[0], entry[1]))
             if not more or not entries:
                 break
