@@ -1214,10 +1214,10 @@ class Agent:
         keep = self.settings.keep_disk if tier is self.disk else self.settings.keep_s3
         inv = await asyncio.to_thread(scan_tier, tier, job, with_sizes=False)
         steps = inv.job(job)
-        complete = sorted(s for s, st in steps.items() if st.has_manifest)
-        drop = set(complete[:-keep]) if len(complete) > keep else set()
-        if complete:
-            drop |= {s for s in steps if s < complete[-1] and s not in complete}
+        # committed = manifest here, whatever shards this place holds (a node's disk holds its own ranks only)
+        committed = sorted(s for s, st in steps.items() if st.committed)
+        drop = set(committed[:-keep]) if len(committed) > keep else set()
+        drop |= inv.stale_steps(job)
         drop = {s for s in drop if tier.name not in self._draining.get((job, s), set())}
         for s in sorted(drop):
             await asyncio.to_thread(self._delete_step, tier, job, s)
@@ -1226,12 +1226,11 @@ class Agent:
     async def _trim_memory(self, job: str) -> None:
         inv = await asyncio.to_thread(scan_tier, self.memory, job, with_sizes=False)
         steps = inv.job(job)
-        complete = sorted(s for s, st in steps.items() if st.has_manifest)
+        committed = sorted(s for s, st in steps.items() if st.committed)
         keep = self.settings.keep_memory
-        drop = set(complete[:-keep]) if len(complete) > keep else set()
-        if complete:
-            # partial steps older than the newest complete one will never complete
-            drop |= {s for s in steps if s < complete[-1] and s not in complete}
+        drop = set(committed[:-keep]) if len(committed) > keep else set()
+        # steps without a manifest older than the newest committed one will never be committed here
+        drop |= inv.stale_steps(job)
         drop = {s for s in drop if not self._draining.get((job, s))}
         if not drop:
             return

@@ -29,12 +29,13 @@ from recovery import (
 )
 from recovery.costs import node_costs
 from recovery.fetch import ShardUnavailableError
+from recovery.inventory import StepInTier, TierInventory, stale_steps
 from recovery.planner import complete_steps
 from tiers import keys
 from tiers.base import Tier
 from tiers.checksum import checksum_bytes
 from tiers.disk import DiskTier
-from tiers.errors import InvalidNameError, ManifestError, TierError
+from tiers.errors import InvalidNameError, KeyNotFoundError, ManifestError, TierError
 from tiers.manifest import JsonEntry, TensorChunk
 from tiers.memory import MemoryTier
 
@@ -61,15 +62,18 @@ def _tier_flags(p: argparse.ArgumentParser) -> None:
 
 
 def _settings(a: argparse.Namespace, extra: dict | None = None) -> Settings:
+    """The command's settings; ``a.agent_node`` becomes the node rank of the agent that answered, else None."""
     args = {"shm": a.shm, "disk": a.disk, "s3": a.s3, "s3_endpoint": a.s3_endpoint, "socket": a.socket}
     args.update(extra or {})
     s = Settings.load(args, config_file=a.config)
     if a.cmd == "agent":
         return s
+    a.agent_node = None
     client = AgentClient.try_connect(s.socket_path, timeout=5)
     if client is not None:
         try:
             theirs = Settings.load(client.call("hello")["settings"], env={})
+            a.agent_node = theirs.node_rank
             env_given = {f for f in ("disk", "s3", "s3_endpoint") if os.environ.get(f"CKPT_{f.upper()}")}
             for name in ("disk", "s3", "s3_endpoint", "compress", "peers", "secret_file", "node_rank", "tls_ca"):
                 if args.get(name) is None and name not in env_given:
@@ -189,6 +193,46 @@ def cmd_status(a: argparse.Namespace) -> int:
     return 0
 
 
+LIST_HELP = """\
+Each tier's column says what that place holds of the step. The manifest is
+written last in every place, so a place holding it has committed the step.
+  complete        the manifest and all `world` shards: this place alone restores the step
+  node N          the manifest and every shard node N's agent took (N may be a list): a node's
+                  memory or disk holding its own ranks (and the nodes it keeps copies for);
+                  the other ranks' shards are in their nodes' places and in S3
+  manifest only   committed, no shard here (a node that took none of the step's ranks)
+  missing shards  committed, but shards it should hold are gone: in S3 any of the `world`;
+                  in a node's place some of a node's whose other shards are here, or (when
+                  the node's agent answers) some of the node's own
+  partial         shards without a manifest: not committed here (in flight, or cut short)
+  bad manifest    a manifest that could not be read or parsed
+  -               nothing of the step;   ?  the tier could not be listed
+restorable: the manifest is in some tier shown and every shard can be read from one.
+"""
+
+
+def _node_of(a: argparse.Namespace, inv: TierInventory) -> int | None:
+    """The node a memory or disk tier belongs to, or None when unknown (no agent answered) or another kind of tier.
+
+    The memory and disk folders a command uses are taken to be those of the
+    node whose agent answered on the memory folder's socket.
+    """
+    return getattr(a, "agent_node", None) if isinstance(inv.tier, (MemoryTier, DiskTier)) else None
+
+
+def _place_state(inv: TierInventory, st: StepInTier, node: int | None) -> str:
+    """One cell of ``ckpt list``: see LIST_HELP. ``node``: the node the place belongs to, if known."""
+    if st.manifest is None:
+        return "bad manifest" if st.committed else "partial"
+    if st.complete:
+        return "complete"
+    if st.missing_ranks(inv.shared, node):
+        return "missing shards"
+    if not st.shards:
+        return "manifest only"
+    return "node " + ",".join(str(n) for n in sorted(st.nodes_complete))
+
+
 def cmd_list(a: argparse.Namespace) -> int:
     job = keys.check_job(a.job)
     s = _settings(a)
@@ -206,12 +250,11 @@ def cmd_list(a: argparse.Namespace) -> int:
                 row.append("?")
             elif st is None:
                 row.append("-")
-            elif st.complete:
-                row.append("complete")
-                size = size or st.manifest.total_bytes
-                created = created or st.manifest.created
             else:
-                row.append("partial" if not st.problem else "bad manifest")
+                row.append(_place_state(inv, st, _node_of(a, inv)))
+                if st.manifest is not None:
+                    size = size or st.manifest.total_bytes
+                    created = created or st.manifest.created
         row += [_fmt_bytes(size) if size else "?", _fmt_age(now - created) if created else "?",
                 "yes" if step in restorable else "no"]
         rows.append(row)
@@ -270,10 +313,18 @@ def cmd_verify(a: argparse.Namespace) -> int:
             if st is None:
                 continue
             if st.manifest is None:
-                rows.append([str(step), inv.name, "-", st.problem or "no manifest (incomplete)"])
+                rows.append([str(step), inv.name, "-", st.problem or "no manifest (not committed here)"])
                 bad += bool(st.problem)
                 continue
+            expected = set(st.expected_ranks(inv.shared, _node_of(a, inv)))
+            elsewhere = [sh for sh in st.manifest.shards if sh.rank not in expected]
+            if elsewhere:
+                nodes = ", ".join(str(n) for n in sorted({sh.node for sh in elsewhere}))
+                rows.append([str(step), inv.name, "-", f"{len(elsewhere)} shard(s) of node(s) {nodes} not held here: "
+                                                       "that node's own places hold them"])
             for sh in st.manifest.shards:
+                if sh.rank not in expected:
+                    continue
                 key = keys.shard_key(job, step, sh.rank)
                 if st.shards.get(sh.rank) is None:
                     rows.append([str(step), inv.name, str(sh.rank), "missing"])
@@ -294,27 +345,94 @@ def cmd_verify(a: argparse.Namespace) -> int:
     return 0
 
 
+GC_HELP = """\
+Without --step/--all: in each tier shown, remove the steps that will never be
+committed there: no manifest in that place, older than the newest step whose
+manifest is there, and not restorable from the tiers shown. A step whose
+manifest is in a place is never removed from it this way (in a node's memory or
+disk the manifest commits the node's own shards; the other nodes' are in their
+places), nor a step newer than the newest committed one (it may be in flight).
+
+--step N / --all remove those steps from every tier shown, but refuse, deleting
+nothing, when that would remove the last restorable copy the tiers shown hold,
+or when a tier could not be listed; --force removes them anyway. Tiers of other
+nodes that this command does not show may hold the only copy of their shards.
+"""
+
+
+def _restorable_without(invs: list[TierInventory], job: str, doomed: set[tuple[int, int]]) -> set[int]:
+    """Steps still restorable from ``invs`` once each ``(index into invs, step)`` in ``doomed`` is gone."""
+    views = []
+    for i, inv in enumerate(invs):
+        v = TierInventory(inv.tier, error=inv.error)
+        v.steps[job] = {s: st for s, st in inv.job(job).items() if (i, s) not in doomed}
+        views.append(v)
+    return set(complete_steps(views, job))
+
+
+def _remove(tier: Tier, job: str, step: int, st: StepInTier, stale: bool) -> int | None:
+    """Remove one step from one tier, manifest first; bytes freed, or None when a stale step got committed meanwhile."""
+    mkey = keys.manifest_key(job, step)
+    freed = sum(n for n in st.shards.values() if n > 0)
+    if stale:
+        try:
+            tier.stat(mkey)
+            return None  # its manifest arrived after the scan: committed here now, so kept
+        except KeyNotFoundError:
+            pass
+    else:
+        try:
+            freed += tier.stat(mkey).size
+        except KeyNotFoundError:
+            pass
+        tier.delete(mkey)
+    for k in tier.list(keys.step_prefix(job, step)):
+        if not (stale and k == mkey):
+            tier.delete(k)
+    return freed
+
+
 def cmd_gc(a: argparse.Namespace) -> int:
     job = keys.check_job(a.job)
     s = _settings(a)
     invs = _inventories(s, job)
-    removed = 0
-    for inv in invs:
+    explicit = a.all or a.step is not None
+    restorable = set(complete_steps(invs, job))
+    doomed: set[tuple[int, int]] = set()
+    for i, inv in enumerate(invs):
         if inv.error is not None:
             continue
-        for step, st in sorted(inv.job(job).items()):
-            drop = a.all or (a.step is not None and step == a.step) or (a.step is None and not st.complete)
-            if not drop:
+        if explicit:
+            doomed |= {(i, st) for st in inv.job(job) if a.all or st == a.step}
+        else:
+            doomed |= {(i, st) for st in stale_steps(inv.job(job)) if st not in restorable}
+    lost = sorted(restorable - _restorable_without(invs, job, doomed))
+    if lost and not a.force:
+        shown = ", ".join(inv.tier.describe() for inv in invs if inv.error is None)
+        raise CliError(f"not removing anything: step(s) {', '.join(map(str, lost))} would lose their last restorable "
+                       f"copy among the tiers shown ({shown}); pass --force to remove them anyway")
+    down = [inv.name for inv in invs if inv.error is not None]
+    if explicit and doomed and down and not a.force:
+        raise CliError(f"not removing anything: the {', '.join(down)} tier(s) could not be listed, so whether another "
+                       "copy is left cannot be told; retry when they answer, or pass --force")
+    for i, inv in enumerate(invs):
+        steps = sorted(st for j, st in doomed if j == i)
+        freed = removed = 0
+        for step in steps:
+            got = _remove(inv.tier, job, step, inv.job(job)[step], stale=not explicit)
+            if got is None:
+                print(f"kept step {step} in {inv.name}: it was committed there meanwhile")
                 continue
-            inv.tier.delete(keys.manifest_key(job, step))
-            for k in inv.tier.list(keys.step_prefix(job, step)):
-                inv.tier.delete(k)
-            print(f"removed step {step} from {inv.name}")
+            print(f"removed step {step} from {inv.name} ({_fmt_bytes(got)})")
+            freed += got
             removed += 1
-        if isinstance(inv.tier, MemoryTier):
+        if removed:
+            print(f"freed {_fmt_bytes(freed)} in {inv.name} ({inv.tier.describe()}): {removed} step(s)")
+        if isinstance(inv.tier, MemoryTier) and inv.error is None:
             inv.tier.drop_slots(job)
-    if not removed:
-        print("nothing to remove")
+    if not doomed:
+        print("nothing to remove" + ("" if explicit else
+                                     ": every step is committed, restorable, or newer than the newest committed"))
     return 0
 
 
@@ -466,16 +584,20 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--json", action="store_true")
     st.set_defaults(fn=cmd_status)
 
-    for name, fn, hlp in (("list", cmd_list, "steps x tiers: complete or not, size, age"),
-                          ("show", cmd_show, "one step: shards, tensors, where each is"),
-                          ("verify", cmd_verify, "check every checksum in every tier"),
-                          ("gc", cmd_gc, "remove incomplete steps (or --step N / --all) and free slots")):
-        sp = sub.add_parser(name, help=hlp)
+    for name, fn, hlp, desc in (
+            ("list", cmd_list, "steps x tiers: what each place holds, size, age, restorable", LIST_HELP),
+            ("show", cmd_show, "one step: shards, tensors, where each is", None),
+            ("verify", cmd_verify, "check every checksum a place should hold, in every tier", None),
+            ("gc", cmd_gc, "remove steps that will never be committed (or --step N / --all) and free slots",
+             GC_HELP)):
+        sp = sub.add_parser(name, help=hlp, description=desc, formatter_class=argparse.RawDescriptionHelpFormatter)
         sp.add_argument("job")
         if name != "list":
             sp.add_argument("--step", type=int)
         if name == "gc":
-            sp.add_argument("--all", action="store_true", help="remove every step of the job from every tier")
+            sp.add_argument("--all", action="store_true", help="remove every step of the job from every tier shown")
+            sp.add_argument("--force", action="store_true",
+                            help="with --step/--all: remove even the last restorable copy the tiers shown hold")
         _tier_flags(sp)
         sp.set_defaults(fn=fn)
 

@@ -1,4 +1,32 @@
-"""Inventory: what each tier holds, by job and step, and whether each step is complete there."""
+"""Inventory: what each tier holds, by job and step, and what "complete" means in each place.
+
+Complete, per place. The manifest is written last in every place, so its
+presence there is the step's commit point in that place. What else a place
+must hold depends on whose shards it takes:
+
+* **committed** (:attr:`StepInTier.committed`): the place holds the step's
+  manifest. Said of any place; a step committed in a place is never garbage
+  there, whatever shards the place lacks.
+* **node-complete** (:meth:`StepInTier.node_complete`), what a node's memory
+  and disk folders promise: a valid manifest and every shard of the ranks that
+  node took from its trainers (``ShardInfo.node == node``) at the manifest's
+  size. Other nodes' shards found there are replicas (a peer's memory) and are
+  not required. :attr:`StepInTier.nodes_complete` names the nodes a place is
+  node-complete for, for readers that do not know whose folder they read.
+* **job-complete** (:attr:`StepInTier.complete`), what the shared S3 prefix
+  promises (the last node to finish writes the manifest there): a valid
+  manifest and all ``world`` shards. A single node's place is job-complete
+  too when it holds every rank (one node, or replicas of every other node).
+* **restorable**, across places (:func:`recovery.planner.complete_steps`): a
+  valid manifest somewhere and every shard somewhere at its size.
+
+A step that has **no** manifest in a place and is older than the newest step
+committed there is *stale* there (:func:`stale_steps`): a save cut short, or
+one a newer committed step has superseded while it was still being written.
+Stale steps are what retention and ``ckpt gc`` remove on their own, ``gc``
+only when the step is not restorable either. A step newer than the newest
+committed one may still be in flight and is left alone.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +34,7 @@ import statistics
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import Mapping
 
 from tiers import keys
 from tiers.base import Tier
@@ -14,7 +43,10 @@ from tiers.manifest import Manifest
 
 from .costs import source_name
 
-__all__ = ["StepInTier", "TierInventory", "read_manifest", "scan_tier", "scan_tiers"]
+__all__ = ["SHARED_TIERS", "StepInTier", "TierInventory", "read_manifest", "scan_tier", "scan_tiers", "stale_steps"]
+
+#: tiers every node of a job writes to: a step committed there must be job-complete
+SHARED_TIERS = frozenset({"s3"})
 
 
 @dataclass
@@ -30,12 +62,71 @@ class StepInTier:
     problem: str | None = None
 
     @property
+    def committed(self) -> bool:
+        """The manifest is present here: the step was committed in this place.
+
+        A manifest that is present but could not be parsed or read (``problem``
+        says why) still counts: it may come from a newer library version or be
+        unreadable only for a moment, and is never taken for garbage.
+        """
+        return self.has_manifest
+
+    @property
     def complete(self) -> bool:
-        """Manifest present and valid, and every shard present at the size it names."""
+        """Job-complete: manifest present and valid, and all ``world`` shards present at the sizes it names.
+
+        What the shared S3 prefix must hold; a node's own memory or disk folder
+        need only be :meth:`node_complete`.
+        """
         m = self.manifest
         if m is None:
             return False
         return all(self.shards.get(s.rank) == s.size for s in m.shards)
+
+    def node_complete(self, node: int) -> bool:
+        """Node-complete for ``node``: manifest valid, and every shard that node took present at its size.
+
+        What node ``node``'s memory and disk folders must hold. False for a
+        node that took no shard of the step (its folders commit nothing of it).
+        """
+        return node in self.nodes_complete
+
+    @property
+    def nodes_complete(self) -> set[int]:
+        """The nodes whose every shard (by ``ShardInfo.node``) is here at its size; empty without a valid manifest."""
+        m = self.manifest
+        if m is None:
+            return set()
+        out: set[int] = set()
+        missing: set[int] = set()
+        for s in m.shards:
+            (out if self.shards.get(s.rank) == s.size else missing).add(s.node)
+        return out - missing
+
+    def expected_ranks(self, shared: bool, node: int | None = None) -> list[int]:
+        """Ranks whose shards this place should hold for the step, by its manifest (empty without one).
+
+        A shared place (:data:`SHARED_TIERS`) should hold every rank. A node's
+        place holds all the shards of a node or none (its own node's, and those
+        of the nodes it keeps replicas for), so it should hold every rank of
+        ``node`` (the node the place belongs to, when the caller knows it) and
+        of each node of which it holds any shard; another node's shards are
+        not missing here.
+        """
+        m = self.manifest
+        if m is None:
+            return []
+        if shared:
+            return [s.rank for s in m.shards]
+        held = {s.node for s in m.shards if s.rank in self.shards} | ({node} if node is not None else set())
+        return [s.rank for s in m.shards if s.node in held]
+
+    def missing_ranks(self, shared: bool, node: int | None = None) -> list[int]:
+        """Of :meth:`expected_ranks`, those not here at the size the manifest names."""
+        m = self.manifest
+        if m is None:
+            return []
+        return [r for r in self.expected_ranks(shared, node) if self.shards.get(r) != m.shard(r).size]
 
     @property
     def nbytes(self) -> int:
@@ -65,8 +156,33 @@ class TierInventory:
     def job(self, job: str) -> dict[int, StepInTier]:
         return self.steps.get(job, {})
 
+    @property
+    def shared(self) -> bool:
+        """True for a place every node writes to (:data:`SHARED_TIERS`), where committed steps are job-complete."""
+        return self.tier.name in SHARED_TIERS
+
     def complete_steps(self, job: str) -> list[int]:
+        """Steps job-complete in this tier alone, ascending."""
         return sorted(s for s, st in self.job(job).items() if st.complete)
+
+    def stale_steps(self, job: str) -> set[int]:
+        """The job's steps that will never be committed in this tier: see :func:`stale_steps`."""
+        return stale_steps(self.job(job))
+
+
+def stale_steps(steps: Mapping[int, StepInTier]) -> set[int]:
+    """Steps of one place that will never be committed there.
+
+    Those with no manifest in the place (not even an unreadable one) that are
+    older than the newest step whose valid manifest is there. A step newer
+    than that one may still be in flight and is never named; nor is a step
+    with a manifest, whatever else it lacks.
+    """
+    valid = [s for s, st in steps.items() if st.manifest is not None]
+    if not valid:
+        return set()
+    newest = max(valid)
+    return {s for s, st in steps.items() if s < newest and not st.committed}
 
 
 def read_manifest(tier: Tier, job: str, step: int) -> Manifest:

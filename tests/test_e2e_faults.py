@@ -21,16 +21,22 @@ from tiers.s3 import S3Tier
 pytestmark = pytest.mark.e2e
 
 
-def _stage_raw(shm: str, job: str, step: int, nbytes: int) -> None:
-    """Hand the agent one shard of ``nbytes`` as a trainer would, without torch."""
+def _stage_raw(shm: str, job: str, step: int, nbytes: int, rank: int = 0, world: int = 1) -> bytes:
+    """Hand the agent ``rank``'s shard of ``nbytes`` (a multiple of 1 MiB) as a trainer would, without torch.
+
+    Returns the bytes handed over.
+    """
+    data = os.urandom(1 << 20) * (nbytes >> 20)
     with AgentClient(socket_path_for(shm)) as c:
-        slot = c.call("begin", job=job, rank=0, world=1, nbytes=nbytes)["slot"]
+        slot = c.call("begin", job=job, rank=rank, world=world, nbytes=nbytes)["slot"]
         with open(slot, "r+b") as f, mmap.mmap(f.fileno(), nbytes) as mm:
-            mm[:] = os.urandom(1 << 20) * (nbytes >> 20)
-        entries = [{"kind": "tensor", "name": "w", "dtype": "uint8", "global_shape": [nbytes],
-                    "offsets": [0], "shape": [nbytes], "offset": 0, "nbytes": nbytes}]
-        c.call("commit", job=job, step=step, rank=0, world=1, slot=slot, nbytes=nbytes, entries=entries,
+            mm[:] = data
+        # rank r holds the r-th piece of one tensor "w" cut along its only dimension
+        entries = [{"kind": "tensor", "name": "w", "dtype": "uint8", "global_shape": [world * nbytes],
+                    "offsets": [rank * nbytes], "shape": [nbytes], "offset": 0, "nbytes": nbytes}]
+        c.call("commit", job=job, step=step, rank=rank, world=world, slot=slot, nbytes=nbytes, entries=entries,
                save_index=step)
+    return data
 
 
 def _wait_for_temp_file(folder: str) -> None:
