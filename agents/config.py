@@ -84,6 +84,8 @@ class Settings:
     peer_timeout: float = 10.0
     #: warm restore: at start, pull from peers this node's ranks' shards of each job's newest step
     prefetch: bool = True
+    #: children per node in the tree that carries commit records up and manifests down
+    fanout: int = 8
     #: seconds a layout object that no retained step names is kept in this node's memory and disk before
     #: retention removes it (a layout is stored before the manifest that names it)
     layout_grace: float = 600.0
@@ -107,6 +109,8 @@ class Settings:
             raise SettingsError(f"placement must be 'group' or 'ring', got {self.placement!r}")
         if self.heartbeat <= 0 or self.dead_after <= self.heartbeat:
             raise SettingsError("heartbeat must be > 0 and dead_after larger than heartbeat")
+        if not isinstance(self.fanout, int) or self.fanout < 1:
+            raise SettingsError(f"fanout must be an integer >= 1, got {self.fanout!r}")
         if self.max_inflight_bytes < 1:
             raise SettingsError("max_inflight_bytes must be >= 1")
         return self

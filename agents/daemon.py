@@ -19,9 +19,11 @@ request. The agent never crashes on a bad request: it answers with an error.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import errno
 import fcntl
+import functools
 import json
 import logging
 import os
@@ -29,6 +31,7 @@ import signal
 import socket
 import struct
 import time
+import zlib
 from dataclasses import dataclass, field
 
 from recovery.inventory import scan_tier
@@ -43,11 +46,16 @@ from tiers.memory import MemoryTier
 
 from .config import Settings
 from .protocol import MAX_LINE, PROTOCOL_VERSION
-from .replication import Membership, load_peer_list, post_json
+from .dissemination import Disseminator, View, tree_children, tree_parent
+from .replication import DEFLATED_JSON, Membership, PeerLink, load_peer_list, post_json
 
 __all__ = ["Agent", "AgentAlreadyRunningError", "run_agent"]
 
 log = logging.getLogger("tierckpt.agent")
+
+
+#: the largest control message (commit rows, manifests, views) accepted once inflated, in bytes
+MAX_CONTROL_BODY = 64 << 20
 
 
 class AgentAlreadyRunningError(RuntimeError):
@@ -77,6 +85,8 @@ class _Pending:
     checksums: dict[int, asyncio.Future] = field(default_factory=dict)
     nodes: dict[int, int] = field(default_factory=dict)
     created: float = field(default_factory=time.time)
+    #: the manifest is being built (all ``world`` rows are here)
+    finishing: bool = False
 
 
 @dataclass(eq=False)
@@ -170,6 +180,10 @@ class Agent:
         #: the warm restore run at start (state idle|running|done, steps, shards, bytes, seconds, errors)
         self.prefetch: dict = {"state": "idle", "steps": {}, "shards": 0, "bytes": 0, "seconds": 0.0, "errors": []}
         self._prefetched: asyncio.Event | None = None
+        self.dis: Disseminator | None = None
+        self._links: dict[int, PeerLink] = {}
+        self._ctrl_pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self._sources_cache: tuple[frozenset[int], set[int]] | None = None
         if settings.peers:
             self._setup_peers()
 
@@ -197,10 +211,20 @@ class Agent:
                                                    ssl_context=self._client_ssl, bucket=bucket)
         mine = nodes[self.me]
         self._bucket = bucket
+        # control messages (commit tree, heartbeats) get their own threads and one keep-alive link per peer,
+        # so the peer server, which answers in the default executor, never waits behind them
+        self._ctrl_pool = concurrent.futures.ThreadPoolExecutor(max(4, 2 * s.fanout + 4),
+                                                                thread_name_prefix="tierckpt-ctrl")
+        self._links = {n.rank: PeerLink(n.addr, secret=self._secret, node=self.me, timeout=s.peer_timeout,
+                                        ssl_context=self._client_ssl) for n in nodes if n.rank != self.me}
+        self.dis = Disseminator(self.me, alive=self.members.alive, post=self._post, on_rows=self._take_rows,
+                                on_manifest=self._receive_manifest, on_view=self._adopt_view,
+                                on_report=self.members.mark, dead=self.members.dead, fanout=s.fanout,
+                                resend_after=s.peer_timeout, retry_after=s.heartbeat)
         self.peer_server = PeerServer(
             self.memory, host=mine.host, port=mine.port, secret=self._secret, node=self.me, ssl_context=server_ssl,
-            extra_routes=[("POST", "/v1/commit", self._http_commit), ("POST", "/v1/fetch", self._http_fetch),
-                          ("POST", "/v1/publish", self._http_publish)],
+            extra_routes=[("POST", "/v1/up", self._http_up), ("POST", "/v1/down", self._http_down),
+                          ("POST", "/v1/fetch", self._http_fetch), ("POST", "/v1/publish", self._http_publish)],
             metrics_cb=self._metrics, long_paths=("/v1/fetch",),
         )
 
@@ -232,6 +256,8 @@ class Agent:
         await self._rebuild()
         if self.peer_server is not None:
             await self.peer_server.start()
+            self.dis.start()
+            self.dis.report("alive", self.me)  # a restarted node tells the root it is back
             self._heal_now = asyncio.Event()
             self._tasks.append(asyncio.create_task(self._heartbeat_loop(), name="heartbeat"))
             self._tasks.append(asyncio.create_task(self._heal_loop(), name="heal"))
@@ -278,9 +304,15 @@ class Agent:
         abandoned = {f"{j}/step-{s}": sorted(t) for (j, s), t in self._draining.items() if t}
         for w in self._workers + self._tasks:
             w.cancel()
+        if self.dis is not None:
+            await self.dis.stop()
         if self.peer_server is not None:
             with contextlib.suppress(Exception):
                 await self.peer_server.stop()
+        for link in self._links.values():
+            link.close()
+        if self._ctrl_pool is not None:
+            self._ctrl_pool.shutdown(wait=False, cancel_futures=True)
         if abandoned:
             log.warning("agent stopping with writes abandoned (left incomplete, never reported complete): %s",
                         json.dumps(abandoned))
@@ -506,8 +538,10 @@ class Agent:
         pend.checksums[rank] = asyncio.ensure_future(asyncio.to_thread(checksum_file, slot, nbytes))
         self.stats["bytes_in"] += nbytes
         if self.members is not None:
+            # the rows go up the commit tree; its root builds the manifest
             asyncio.create_task(self._share(job, step, rank, world, nbytes, pend))
-        if len(pend.sizes) == world:
+        elif len(pend.sizes) == world and not pend.finishing:
+            pend.finishing = True
             asyncio.create_task(self._finish_step(job, step, pend))
         return {"errors": self._take_errors(job)}
 
@@ -609,17 +643,8 @@ class Agent:
         record = {"job": job, "step": step, "rank": rank, "world": world, "nbytes": nbytes, "layout": digest,
                   "values": [[e.name, e.value] for e in pend.entries[rank]],
                   "checksum": checksum, "save_index": pend.save_index, "metadata": pend.metadata, "node": self.me}
-        alive = self.members.alive() - {self.me}
-
-        async def tell(r: int) -> None:
-            try:
-                await asyncio.to_thread(post_json, self.members.nodes[r].addr, "/v1/commit", record,
-                                        secret=self._secret, node=self.me, timeout=self.settings.peer_timeout,
-                                        ssl_context=self._client_ssl)
-            except ConnectionError as e:
-                self._peer_error(r, e)
-
-        await asyncio.gather(*(tell(r) for r in sorted(alive)), *copies)
+        self.dis.submit([record])
+        await asyncio.gather(*copies)
 
     async def _push(self, r: int, key: str, src: str | bytes, nbytes: int,
                     checksum: "str | asyncio.Future | None" = None) -> bool:
@@ -708,49 +733,134 @@ class Agent:
         st.last_error = str(e)
         log.warning("node %d (%s): %s", r, st.node.addr, e)
 
-    async def _http_commit(self, request):
-        """A peer's record of a shard it took from its trainer: counts toward this node's manifest."""
+    # ------------------------------------------------------------------ commit tree
+    async def _post(self, r: int, path: str, body: dict) -> dict:
+        """A signed control POST to node ``r`` over its keep-alive link, in the control executor."""
+        loop = asyncio.get_running_loop()
+        try:
+            return await loop.run_in_executor(self._ctrl_pool, functools.partial(self._links[r].post, path, body))
+        except ConnectionError as e:
+            self._peer_error(r, e)
+            raise
+
+    async def _take_rows(self, rows: list[dict]) -> None:
+        """The commit tree's root takes commit rows (its own node's and every other's): one intake for all.
+        A step whose ``world`` rows are all here gets its manifest built, committed here and sent down."""
+        for rec in rows:
+            try:
+                job = keys.check_job(rec["job"])
+                step = keys.check_step(rec["step"])
+                rank = keys.check_rank(rec["rank"])
+                world, nbytes, node = int(rec["world"]), int(rec["nbytes"]), int(rec["node"])
+                if not 0 <= rank < world or nbytes < 0 or not isinstance(rec["checksum"], str):
+                    raise RequestError("rank, world, nbytes or checksum out of range")
+                digest = keys.check_digest(rec["layout"])
+                raw = rec.get("values") or []
+                if not isinstance(raw, list) or not all(isinstance(v, list) and len(v) == 2
+                                                        and isinstance(v[0], str) for v in raw):
+                    raise RequestError("values must be a list of [name, value]")
+                values = tuple(JsonEntry(n, v) for n, v in raw)
+                metadata = rec.get("metadata") or {}
+                if not isinstance(metadata, dict):
+                    raise RequestError("metadata must be a JSON object")
+                save_index = int(rec.get("save_index", step))
+            except (ValueError, KeyError, TypeError) as e:
+                log.warning("commit row dropped: %s", e)
+                continue
+            key = (job, step)
+            self._seen(job, step)
+            if await asyncio.to_thread(os.path.exists, self.memory.path(keys.manifest_key(job, step))) \
+                    and key not in self._pending:
+                continue  # committed here already
+            pend = self._pending.get(key)
+            if pend is None:
+                pend = self._pending[key] = _Pending(world, save_index, metadata)
+                self._settled.setdefault(key, asyncio.Event())
+            if pend.world != world:
+                log.warning("%s step %d: rank %d says world %d, an earlier rank said %d: row dropped",
+                            job, step, rank, world, pend.world)
+                continue
+            if rank not in pend.sizes:
+                pend.sizes[rank] = nbytes
+                pend.entries[rank] = values
+                pend.layouts[rank] = digest
+                pend.nodes[rank] = node
+                fut = asyncio.get_running_loop().create_future()
+                fut.set_result(rec["checksum"])
+                pend.checksums[rank] = fut
+            if len(pend.sizes) == world and not pend.finishing:
+                pend.finishing = True
+                asyncio.create_task(self._finish_step(job, step, pend))
+
+    async def _receive_manifest(self, job: object, step: object, data: bytes) -> bool:
+        """A manifest the commit tree's root built: verify it and commit the step here. True if new here."""
+        try:
+            m = Manifest.from_bytes(data)
+        except ManifestError as e:
+            log.warning("a manifest sent down the commit tree was refused: %s", e)
+            return False
+        if await asyncio.to_thread(os.path.exists, self.memory.path(keys.manifest_key(m.job, m.step))):
+            self.dis.committed(m.job, m.step, data)
+            return False
+        return await self._commit_manifest(m, data)
+
+    def _adopt_view(self, view: View) -> None:
+        """The root's view of who is dead: adopt it for the nodes this node does not watch."""
+        for kind, r in self.members.apply_view(set(view.dead) - {self.me}):
+            self.dis.report(kind, r)
+        self._rewatch()
+        if self._heal_now is not None:
+            self._heal_now.set()
+
+    def _rewatch(self) -> None:
+        """Heartbeat only this node's tree neighbours and placement partners: O(fanout + replicas) peers."""
+        live = sorted(self.members.alive())
+        watch = set(tree_children(live, self.me, self.settings.fanout))
+        parent = tree_parent(live, self.me, self.settings.fanout)
+        if parent is not None:
+            watch.add(parent)
+        watch |= set(self.members.targets(self.me)) | self._sources(frozenset(live))
+        self.members.watch(watch - {self.me})
+
+    def _sources(self, live: frozenset[int]) -> set[int]:
+        """The live nodes whose shards placement puts on this node (cached per live set)."""
+        cached = self._sources_cache
+        if cached is None or cached[0] != live:
+            cached = self._sources_cache = (live, {r for r in live if r != self.me
+                                                   and self.me in self.members.desired(r, set(live))})
+        return cached[1]
+
+    async def _http_body(self, request) -> dict:
+        data = await request.read()
+        if request.content_type == DEFLATED_JSON:
+            d = zlib.decompressobj()
+            data = d.decompress(data, MAX_CONTROL_BODY)
+            if d.unconsumed_tail:
+                raise ValueError(f"control message over {MAX_CONTROL_BODY} bytes once inflated")
+        body = json.loads(data)
+        if not isinstance(body, dict):
+            raise ValueError("a control message is a JSON object")
+        return body
+
+    async def _http_up(self, request):
+        """``POST /v1/up``: commit rows and membership reports from a child in the commit tree."""
         from aiohttp import web
 
         try:
-            rec = await request.json()
-            job = keys.check_job(rec["job"])
-            step = keys.check_step(rec["step"])
-            rank = keys.check_rank(rec["rank"])
-            world, nbytes, node = int(rec["world"]), int(rec["nbytes"]), int(rec["node"])
-            if not 0 <= rank < world or nbytes < 0 or not isinstance(rec["checksum"], str):
-                raise RequestError("rank, world, nbytes or checksum out of range")
-            digest = keys.check_digest(rec["layout"])
-            raw = rec.get("values") or []
-            if not isinstance(raw, list) or not all(isinstance(v, list) and len(v) == 2 and isinstance(v[0], str)
-                                                    for v in raw):
-                raise RequestError("values must be a list of [name, value]")
-            values = tuple(JsonEntry(n, v) for n, v in raw)
-            if not isinstance(rec.get("metadata", {}), dict):
-                raise RequestError("metadata must be a JSON object")
-        except (ValueError, KeyError, TypeError) as e:
-            return web.Response(status=400, text=f"bad commit record: {e}\n")
-        key = (job, step)
-        self._seen(job, step)
-        if key in self._settled and self._settled[key].is_set() and key not in self._pending:
-            return web.json_response({"known": True})
-        pend = self._pending.get(key)
-        if pend is None:
-            pend = self._pending[key] = _Pending(world, int(rec.get("save_index", step)), rec.get("metadata") or {})
-            self._settled.setdefault(key, asyncio.Event())
-        if pend.world != world:
-            return web.Response(status=409, text=f"world {world} differs from {pend.world}\n")
-        if rank not in pend.sizes:
-            pend.sizes[rank] = nbytes
-            pend.entries[rank] = values
-            pend.layouts[rank] = digest
-            pend.nodes[rank] = node
-            fut = asyncio.get_running_loop().create_future()
-            fut.set_result(rec["checksum"])
-            pend.checksums[rank] = fut
-            if len(pend.sizes) == world:
-                asyncio.create_task(self._finish_step(job, step, pend))
-        return web.json_response({"ok": True})
+            answer = await self.dis.handle_up(await self._http_body(request))
+        except (ValueError, KeyError, TypeError, zlib.error) as e:
+            return web.Response(status=400, text=f"bad commit-tree message: {e}\n")
+        return web.json_response(answer)
+
+    async def _http_down(self, request):
+        """``POST /v1/down``: a committed manifest and/or the root's view, from the parent in the commit tree."""
+        from aiohttp import web
+
+        try:
+            answer = await self.dis.handle_down(await self._http_body(request))
+        except (ValueError, KeyError, TypeError, zlib.error) as e:
+            return web.Response(status=400, text=f"bad commit-tree message: {e}\n")
+        return web.json_response(answer)
 
     async def _http_fetch(self, request):
         """A peer asks this node to pull a shard from it (replication); answers once the copy is verified."""
@@ -834,6 +944,7 @@ class Agent:
 
                             raise TierFullError(e.errno, f"no room for {key} in {self.memory.root}") from e
                         raise
+                    failure: BaseException | None = None
                     with mmap.mmap(fd, size) as mm:
                         mv = memoryview(mm)
                         try:
@@ -844,8 +955,14 @@ class Agent:
                                     self._bucket.take(n)
                                 peer.read_into(key, mv[off:off + n], off)
                             got = checksum_bytes(mv)
+                        except Exception as e:
+                            # the traceback's frames hold views of the mapping: drop them, or closing it
+                            # raises BufferError and hides the real error
+                            failure = e.with_traceback(None)
                         finally:
                             mv.release()
+                    if failure is not None:
+                        raise failure
                 else:
                     got = checksum_bytes(b"")
             finally:
@@ -872,21 +989,33 @@ class Agent:
         return out
 
     async def _heartbeat_loop(self) -> None:
+        """Heartbeat the watched peers (tree neighbours, placement partners); report changes to the root."""
+        loop = asyncio.get_running_loop()
+        self._rewatch()
         while True:
+            changed = False
+
             async def beat(r: int) -> None:
+                nonlocal changed
                 try:
-                    h = await asyncio.to_thread(self.peer_tiers[r].health)
+                    h = await loop.run_in_executor(self._ctrl_pool, self.peer_tiers[r].health)
                     if self.members.seen(r, int(h.get("bytes_held", 0))):
                         log.info("node %d is back", r)
-                        self._heal_now.set()
+                        self.dis.report("alive", r)
+                        changed = True
                 except (TierError, OSError, ValueError) as e:
                     self.members.peers[r].last_error = str(e)
 
-            await asyncio.gather(*(beat(r) for r in self.members.peers))
+            await asyncio.gather(*(beat(r) for r in sorted(self.members.watched)))
             for r in self.members.sweep():
                 self._layout_at = {p for p in self._layout_at if p[0] != f"node-{r}"}
                 log.warning("node %d (%s) declared dead: silent for %.1f s", r, self.members.nodes[r].addr,
                             self.settings.dead_after)
+                self.dis.report("dead", r)
+                changed = True
+            if changed:
+                self._rewatch()
+                self.dis.view_changed()
                 self._heal_now.set()
             await asyncio.sleep(self.settings.heartbeat)
 
@@ -1088,6 +1217,8 @@ class Agent:
         return dict(self.prefetch)
 
     async def _finish_step(self, job: str, step: int, pend: _Pending) -> None:
+        """All ``world`` rows are here (a single node, or the commit tree's root): build the manifest,
+        commit it here, and send it down the tree."""
         key = (job, step)
         try:
             shards = []
@@ -1097,21 +1228,40 @@ class Agent:
             meta = dict(pend.metadata)
             meta["save_index"] = pend.save_index
             m = Manifest(job, step, pend.world, tuple(shards), meta, created=pend.created)
-            await asyncio.to_thread(self.memory.put, keys.manifest_key(job, step), m.to_bytes())
+            data = m.to_bytes()
+        except Exception as e:
+            self._error(job, f"step {step} could not be committed to memory: {e}")
+            self._pending.pop(key, None)
+            self._settled.setdefault(key, asyncio.Event()).set()
+            return
+        if await self._commit_manifest(m, data) and self.dis is not None:
+            self.dis.broadcast(data)
+
+    async def _commit_manifest(self, m: Manifest, data: bytes) -> bool:
+        """Commit a step in this node's memory: the manifest written last, then the drains it is due."""
+        job, step = m.job, m.step
+        key = (job, step)
+        self._settled.setdefault(key, asyncio.Event())
+        try:
+            await asyncio.to_thread(self.memory.put, keys.manifest_key(job, step), data)
         except Exception as e:
             self._error(job, f"step {step} could not be committed to memory: {e}")
             self._pending.pop(key, None)
             self._settled[key].set()
-            return
+            return False
         self._pending.pop(key, None)
+        self._seen(job, step)
         self.stats["saves"] += 1
-        targets = self._targets(pend.save_index)
+        if self.dis is not None:
+            self.dis.committed(job, step, data)
+        targets = self._targets(int(m.metadata.get("save_index", step)))
         for t in targets:
             self._enqueue(t, job, step)
         if not targets:
             self._settled[key].set()
         await self._trim_memory(job)
         await self._trim_layouts(self.memory, job)
+        return True
 
     def _targets(self, save_index: int) -> list[Tier]:
         out = []
@@ -1265,7 +1415,7 @@ class Agent:
             steps = inv.job(job).values()
             if inv.error is not None or any(st.has_manifest and st.manifest is None for st in steps):
                 return []  # a manifest that cannot be read may name any of them
-            named = using | {d for st in steps for d in st.manifest.layouts}
+            named = using | {d for st in steps if st.manifest is not None for d in st.manifest.layouts}
             now, dropped = time.time(), []
             for key in listed:
                 parsed = keys.parse_layout_key(key)
@@ -1368,8 +1518,19 @@ class Agent:
             "inflight_bytes": self._budget.used if self._budget else 0,
             "errors": {j: len(e) for j, e in self._errors.items()},
             "stats": self.stats, "settings": self.settings.to_dict(),
-            "node": self.me, "peers": self._peer_status(), "prefetch": self.prefetch,
+            "node": self.me, "peers": self._peer_status(), "prefetch": self.prefetch, "tree": self._tree_status(),
         }
+
+    def _tree_status(self) -> dict | None:
+        """This node's place in the commit tree and its control traffic (None without peers)."""
+        if self.dis is None:
+            return None
+        d = self.dis
+        return {"live": d.live(), "root": min(d.live()), "parent": d.parent(), "children": d.children(),
+                "epoch": d.view.epoch, "dead": sorted(d.view.dead), "watched": sorted(self.members.watched),
+                "stats": {k: v for k, v in vars(d.stats).items() if isinstance(v, int)},
+                "sent": sum(link.sent for link in self._links.values()),
+                "sent_bytes": sum(link.sent_bytes for link in self._links.values())}
 
     def _peer_status(self) -> list[dict]:
         if self.members is None:

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 from .placement import Node, parse_peers, placement_order, replica_targets
 
-__all__ = ["PeerState", "Membership", "load_peer_list", "peer_tiers", "post_json"]
+__all__ = ["DEFLATED_JSON", "PeerLink", "PeerState", "Membership", "load_peer_list", "peer_tiers", "post_json"]
 
 
 def load_peer_list(spec: str) -> list[Node]:
@@ -54,6 +54,8 @@ class Membership:
     placement: str
     dead_after: float
     peers: dict[int, PeerState] = field(default_factory=dict)
+    #: the peers this node heartbeats (every peer until :meth:`watch` narrows it)
+    watched: set[int] = field(default_factory=set)
 
     def __post_init__(self) -> None:
         if not 0 <= self.me < len(self.nodes):
@@ -63,6 +65,7 @@ class Membership:
             if n.rank != self.me:
                 # a peer starts alive with a full grace period: it may still be starting
                 self.peers[n.rank] = PeerState(n, last_seen=now)
+        self.watched = set(self.peers)
         self._order = placement_order(self.nodes)
 
     def seen(self, rank: int, bytes_held: int) -> bool:
@@ -75,14 +78,61 @@ class Membership:
         return revived
 
     def sweep(self) -> list[int]:
-        """Declare peers silent for ``dead_after`` seconds dead; return the newly dead."""
+        """Declare watched peers silent for ``dead_after`` seconds dead; return the newly dead.
+
+        Only peers in :attr:`watched` are judged here; the others live or die by the view the commit
+        tree's root sends (:meth:`apply_view`)."""
         now = time.monotonic()
         dead = []
         for r, p in self.peers.items():
+            if r not in self.watched:
+                continue
             if p.alive and (p.last_seen is None or now - p.last_seen > self.dead_after):
                 p.alive = False
                 dead.append(r)
         return dead
+
+    def watch(self, nodes: set[int]) -> None:
+        """Heartbeat ``nodes`` from now on (tree neighbours and placement partners); a node newly watched
+        gets a full grace period before it can be declared dead."""
+        now = time.monotonic()
+        for r in nodes - self.watched:
+            if r in self.peers:
+                self.peers[r].last_seen = now
+        self.watched = {r for r in nodes if r in self.peers}
+
+    def apply_view(self, dead: set[int]) -> list[tuple[str, int]]:
+        """Adopt the root's view for the peers this node does not watch; for the watched ones keep what
+        this node saw, and return the ``(kind, node)`` reports where the two disagree."""
+        reports = []
+        now = time.monotonic()
+        for r, p in self.peers.items():
+            if r in self.watched:
+                if (r in dead) == p.alive:
+                    reports.append(("alive" if p.alive else "dead", r))
+                continue
+            if p.alive and r in dead:
+                p.alive = False
+            elif not p.alive and r not in dead:
+                p.alive = True
+                p.last_seen = now
+        return reports
+
+    def mark(self, kind: str, node: int) -> bool:
+        """Apply a report (``dead`` or ``alive``) about ``node``; True when it changed who is alive."""
+        p = self.peers.get(node)
+        if p is None:
+            return False
+        if kind == "alive" and not p.alive:
+            p.alive, p.last_seen = True, time.monotonic()
+            return True
+        if kind == "dead" and p.alive:
+            p.alive = False
+            return True
+        return False
+
+    def dead(self) -> set[int]:
+        return {r for r, p in self.peers.items() if not p.alive}
 
     def alive(self) -> set[int]:
         return {self.me} | {r for r, p in self.peers.items() if p.alive}
@@ -104,6 +154,100 @@ class Membership:
     def targets(self, primary: int) -> list[int]:
         """Where the primary sends copies now: desired holders other than itself."""
         return [r for r in self.desired(primary) if r != primary]
+
+
+class PeerLink:
+    """One keep-alive HTTP connection to one peer agent for small signed control requests.
+
+    Requests on a link run one at a time (a lock), so each agent holds at most
+    one control connection to each peer it talks to, however many callers
+    share it. A broken connection is reopened once per request. Bodies above
+    ``COMPRESS_ABOVE`` bytes are sent deflated (``Content-Type: application/x-tierckpt-deflate``).
+    """
+
+    COMPRESS_ABOVE = 4096
+
+    def __init__(self, addr: str, *, secret: bytes | None, node: int, timeout: float, ssl_context=None) -> None:
+        import threading
+
+        self.addr = addr
+        self.secret = secret
+        self.node = node
+        self.timeout = timeout
+        self.ssl_context = ssl_context
+        self._conn = None
+        self._lock = threading.Lock()
+        #: requests sent and body bytes sent on the wire (after compression)
+        self.sent = 0
+        self.sent_bytes = 0
+
+    def _connect(self):
+        import http.client
+
+        host, _, port = self.addr.rpartition(":")
+        host = host.strip("[]")
+        if self.ssl_context is not None:
+            return http.client.HTTPSConnection(host, int(port), timeout=self.timeout, context=self.ssl_context)
+        return http.client.HTTPConnection(host, int(port), timeout=self.timeout)
+
+    def post(self, path: str, obj: dict, *, timeout: float | None = None) -> dict:
+        """POST ``obj`` as JSON; return the JSON answer. Raises ConnectionError when the peer cannot be
+        reached or refuses the request."""
+        import json
+        import zlib
+
+        from tiers.wire import sign
+
+        body = json.dumps(obj, separators=(",", ":")).encode()
+        ctype = "application/json"
+        if len(body) > self.COMPRESS_ABOVE:
+            body, ctype = zlib.compress(body, 1), DEFLATED_JSON
+        with self._lock:
+            for attempt in (0, 1):
+                if self._conn is None:
+                    self._conn = self._connect()
+                self._conn.timeout = timeout or self.timeout
+                if self._conn.sock is not None:
+                    self._conn.sock.settimeout(self._conn.timeout)
+                headers = {"Content-Type": ctype, "Content-Length": str(len(body))}
+                if self.secret:
+                    headers.update(sign(self.secret, "POST", path, None, node=self.node, content_length=len(body)))
+                try:
+                    self._conn.request("POST", path, body=body, headers=headers)
+                    resp = self._conn.getresponse()
+                    data = resp.read(64 << 20)
+                except OSError as e:
+                    self.close_locked()
+                    if attempt == 0 and not isinstance(e, TimeoutError):
+                        continue  # a keep-alive connection the server closed meanwhile: one fresh try
+                    raise ConnectionError(f"peer {self.addr} unreachable: {e}") from e
+                except Exception as e:  # http.client's protocol errors (RemoteDisconnected is an OSError)
+                    self.close_locked()
+                    if attempt == 0:
+                        continue
+                    raise ConnectionError(f"peer {self.addr} answered {path} badly: {e}") from e
+                self.sent += 1
+                self.sent_bytes += len(body)
+                if resp.will_close:
+                    self.close_locked()
+                if resp.status >= 300:
+                    raise ConnectionError(
+                        f"peer {self.addr} refused {path}: {resp.status} {data[:200].decode(errors='replace')}")
+                return json.loads(data or b"{}")
+        raise AssertionError("unreachable")
+
+    def close_locked(self) -> None:
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
+
+    def close(self) -> None:
+        with self._lock:
+            self.close_locked()
+
+
+#: Content-Type of a zlib-deflated JSON body (control messages above a few KB)
+DEFLATED_JSON = "application/x-tierckpt-deflate"
 
 
 def post_json(addr: str, path: str, obj: dict, *, secret: bytes | None, node: int, timeout: float,

@@ -428,6 +428,13 @@ def cmd_gc(a: argparse.Namespace) -> int:
             removed += 1
         if removed:
             print(f"freed {_fmt_bytes(freed)} in {inv.name} ({inv.tier.describe()}): {removed} step(s)")
+        if a.all and inv.error is None and removed == len(inv.job(job)):
+            # every step is gone from this tier: the layouts they named go with them
+            layouts = inv.tier.list(keys.layouts_prefix(job))
+            for k in layouts:
+                inv.tier.delete(k)
+            if layouts:
+                print(f"removed {len(layouts)} layout object(s) of {job} from {inv.name}")
         if isinstance(inv.tier, MemoryTier) and inv.error is None:
             inv.tier.drop_slots(job)
     if not doomed:

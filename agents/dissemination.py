@@ -1,0 +1,374 @@
+"""Commit dissemination over a tree of the live nodes: no all-to-all, no fixed coordinator.
+
+What travels, per step of a job (N nodes, R ranks per node, world W = N x R):
+
+* **up**: each node sends its ranks' commit rows (rank, size, checksum, layout
+  digest, JSON values: about 200 bytes each, whatever the model) to its parent
+  in the tree; a node forwards what its children send, coalesced with its own
+  (whatever queued while a send was in flight goes in the next one). The root
+  collects the rows.
+* **down**: once the root holds all W rows it builds the step's manifest,
+  commits it in its own memory and sends it to its children, who commit it
+  and forward it to theirs. The manifest (W rows of ~130 bytes, deflated)
+  is the only per-step message whose size grows with the world.
+
+The tree: the live nodes in node-rank order, heap-indexed with fan-out ``f``:
+the node at position ``i`` has parent ``(i - 1) // f`` and children
+``f*i + 1 .. f*i + f``. The root is the lowest live node. Every node computes
+the same tree from the same view of who is alive.
+
+Per node and step: 1-2 messages up (more only for the nodes near the root,
+which forward their subtrees: at most ``f`` receptions, coalesced), 1 message
+down in and ``f`` out. Independent of N for the leaves, ``O(f)`` for inner nodes.
+
+No single point of failure:
+
+* a node keeps its own ranks' rows until the step's manifest reaches it; on a
+  change of view (a node declared dead or back) and every ``resend_after``
+  seconds it sends them up again, to its parent in the new tree. Rows are
+  idempotent (keyed by job, step, rank) at the root.
+* the root answers rows of a step it already committed with the manifest
+  itself, so a node that missed the broadcast (its parent died while
+  forwarding) catches up with one request.
+* the root keeps the view (see :class:`View`): nodes watch only their tree
+  neighbours and placement partners, report a silent one as dead (or a dead
+  one as back) up the tree, and the root bumps the view's epoch and sends it
+  down with the next message. When the root itself dies, its children (who
+  watch it) drop it and the next live node is the root.
+
+Messages go over one keep-alive :class:`~agents.replication.PeerLink` per peer,
+signed like every peer request, in the agent's control executor, so serving
+never waits behind them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+
+__all__ = ["DEFAULT_FANOUT", "Disseminator", "View", "tree_children", "tree_parent", "tree_root"]
+
+log = logging.getLogger("tierckpt.agent")
+
+#: children per node in the commit tree
+DEFAULT_FANOUT = 8
+#: committed manifests a node keeps to answer late rows (catch-up)
+KEEP_COMMITTED = 512
+
+
+def tree_root(live: list[int]) -> int:
+    """The root of the tree over ``live`` (the lowest live node)."""
+    return min(live)
+
+
+def _pos(live: list[int], me: int) -> tuple[list[int], int]:
+    order = sorted(live)
+    return order, order.index(me)
+
+
+def tree_parent(live: list[int], me: int, fanout: int = DEFAULT_FANOUT) -> int | None:
+    """``me``'s parent in the tree over ``live`` (None for the root, or when ``me`` is not live)."""
+    if me not in live:
+        return None
+    order, i = _pos(live, me)
+    return None if i == 0 else order[(i - 1) // fanout]
+
+
+def tree_children(live: list[int], me: int, fanout: int = DEFAULT_FANOUT) -> list[int]:
+    """``me``'s children in the tree over ``live``."""
+    if me not in live:
+        return []
+    order, i = _pos(live, me)
+    return order[fanout * i + 1: fanout * i + 1 + fanout]
+
+
+@dataclass
+class View:
+    """Who is dead, as the root last said: ``epoch`` orders views (a higher one replaces a lower)."""
+
+    epoch: int = 0
+    dead: frozenset[int] = frozenset()
+
+    def to_json(self) -> dict:
+        return {"epoch": self.epoch, "dead": sorted(self.dead)}
+
+    @classmethod
+    def from_json(cls, obj: object) -> "View":
+        if not isinstance(obj, dict) or not isinstance(obj.get("epoch"), int) or not isinstance(obj.get("dead"), list) \
+                or not all(isinstance(r, int) and not isinstance(r, bool) for r in obj["dead"]):
+            raise ValueError("a view is {epoch: int, dead: [int]}")
+        return cls(obj["epoch"], frozenset(obj["dead"]))
+
+
+Post = Callable[[int, str, dict], Awaitable[dict]]
+
+
+@dataclass
+class _Stats:
+    """Control messages and body bytes this node sent and received, by direction."""
+
+    up_sent: int = 0
+    up_received: int = 0
+    down_sent: int = 0
+    down_received: int = 0
+    rows_sent: int = 0
+    catch_ups: int = 0
+    resends: int = 0
+    counts: dict = field(default_factory=dict)
+
+
+class Disseminator:
+    """One node's part of the commit tree. The agent owns it and supplies:
+
+    ``alive()``: the live nodes as this node sees them (``me`` included);
+    ``post(node, path, body)``: a signed control POST to a peer, answering its JSON (raises ConnectionError);
+    ``on_rows(rows)``: the root's intake of commit rows (from any node, its own included);
+    ``on_manifest(job, step, data)``: commit a manifest received from the root (verifies it; True if new here);
+    ``on_view(view)``: adopt a view the root sent; ``on_report(kind, node)``: the root applies a report
+    (True if it changed who is alive); ``dead()``: the nodes this node holds dead (the root's view).
+
+    Call order: :meth:`start` once; :meth:`submit` with this node's rows as their checksums are known;
+    :meth:`committed` when a manifest is committed here (the root calls :meth:`broadcast` too);
+    :meth:`view_changed` after membership changes; :meth:`handle_up` / :meth:`handle_down` for the
+    two routes; :meth:`stop` at the end.
+    """
+
+    def __init__(self, me: int, *, alive: Callable[[], set[int]], post: Post,
+                 on_rows: Callable[[list[dict]], Awaitable[None]],
+                 on_manifest: Callable[[str, int, bytes], Awaitable[bool]],
+                 on_view: Callable[[View], None], on_report: Callable[[str, int], bool],
+                 dead: Callable[[], set[int]],
+                 fanout: int = DEFAULT_FANOUT, resend_after: float = 10.0, retry_after: float = 1.0) -> None:
+        self.me = me
+        self.alive = alive
+        self.post = post
+        self.on_rows = on_rows
+        self.on_manifest = on_manifest
+        self.on_view = on_view
+        self.on_report = on_report
+        self.dead = dead
+        self.fanout = fanout
+        self.resend_after = resend_after
+        self.retry_after = retry_after
+        self.view = View()
+        self.stats = _Stats()
+        #: rows (own and forwarded) and reports waiting to go up
+        self._rows: list[dict] = []
+        self._reports: list[list] = []
+        #: this node's own rows, per (job, step), until the step's manifest is committed here: (rows, sent at)
+        self._unacked: dict[tuple[str, int], tuple[list[dict], float]] = {}
+        #: recently committed manifests (to answer late rows)
+        self._committed: collections.OrderedDict[tuple[str, int], bytes] = collections.OrderedDict()
+        self._wake: asyncio.Event | None = None
+        self._tasks: list[asyncio.Task] = []
+
+    # -- lifecycle ---------------------------------------------------------------------------
+    def start(self) -> None:
+        self._wake = asyncio.Event()
+        self._tasks = [asyncio.create_task(self._up_loop(), name="commit-up"),
+                       asyncio.create_task(self._resend_loop(), name="commit-resend")]
+
+    async def stop(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    # -- tree --------------------------------------------------------------------------------
+    def live(self) -> list[int]:
+        return sorted(self.alive() | {self.me})
+
+    def is_root(self) -> bool:
+        return tree_root(self.live()) == self.me
+
+    def parent(self) -> int | None:
+        return tree_parent(self.live(), self.me, self.fanout)
+
+    def children(self) -> list[int]:
+        return tree_children(self.live(), self.me, self.fanout)
+
+    # -- up ----------------------------------------------------------------------------------
+    def submit(self, rows: list[dict]) -> None:
+        """Send this node's commit rows up; keep them until the step's manifest is committed here."""
+        for row in rows:
+            k = (row["job"], row["step"])
+            if k in self._committed:
+                continue
+            own, _ = self._unacked.get(k, ([], 0.0))
+            own.append(row)
+            self._unacked[k] = (own, time.monotonic())
+        self._rows.extend(rows)
+        self._wake.set()
+
+    def report(self, kind: str, node: int) -> None:
+        """Tell the root that ``node`` is ``dead`` or ``alive`` as this node sees it."""
+        self._reports.append([kind, node])
+        self._wake.set()
+
+    def view_changed(self) -> None:
+        """The live set changed here: the tree did too, so every unacked row goes up again."""
+        self._resend(force=True)
+
+    def _resend(self, force: bool = False) -> None:
+        now = time.monotonic()
+        for k, (rows, sent) in list(self._unacked.items()):
+            if force or now - sent >= self.resend_after:
+                self._unacked[k] = (rows, now)
+                self._rows.extend(rows)
+                self.stats.resends += 1
+        if self._rows and self._wake is not None:
+            self._wake.set()
+
+    async def _resend_loop(self) -> None:
+        while True:
+            await asyncio.sleep(max(0.5, self.resend_after / 4))
+            if self.me in self.view.dead:
+                self.report("alive", self.me)  # the root holds this node dead: say it is back
+            self._resend()
+
+    async def _up_loop(self) -> None:
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            if not self._rows and not self._reports:
+                continue
+            rows, self._rows = _dedupe(self._rows), []
+            reports, self._reports = self._reports, []
+            try:
+                await self._send_up(rows, reports)
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # the rows stay: sent again once the tree changes or after a pause
+                log.warning("commit rows not sent up (%s); trying again", e)
+                self._rows = rows + self._rows
+                self._reports = reports + self._reports
+                await asyncio.sleep(self.retry_after)
+                self._wake.set()
+
+    async def _send_up(self, rows: list[dict], reports: list[list]) -> None:
+        parent = self.parent()
+        if parent is None:  # the root takes its own rows and reports
+            await self._take(rows, reports)
+            return
+        body: dict = {"rows": rows, "epoch": self.view.epoch}
+        if reports:
+            body["reports"] = reports
+        answer = await self.post(parent, "/v1/up", body)
+        self.stats.up_sent += 1
+        self.stats.rows_sent += len(rows)
+        await self._absorb(answer)
+
+    async def _take(self, rows: list[dict], reports: list[list]) -> list[str]:
+        """At the root: apply reports, take rows; answer manifests of steps already committed."""
+        changed = False
+        for kind, node in reports:
+            changed |= self.on_report(kind, node)
+        if changed or frozenset(self.dead()) != self.view.dead:
+            # the root's own observations count too (it watches its children and partners)
+            self.view = View(self.view.epoch + 1, frozenset(self.dead()))
+            self.view_changed()
+            asyncio.ensure_future(self._send_down({"view": self.view.to_json()}))
+        late = sorted({(r["job"], r["step"]) for r in rows if (r["job"], r["step"]) in self._committed})
+        fresh = [r for r in rows if (r["job"], r["step"]) not in self._committed]
+        if fresh:
+            await self.on_rows(fresh)
+        return [self._committed[k].decode() for k in late]
+
+    async def _absorb(self, answer: dict) -> None:
+        """A parent's answer: the manifests of steps it says are committed (catch-up), and its view."""
+        for text in answer.get("manifests", ()):
+            self.stats.catch_ups += 1
+            await self._commit_text(text)
+        if "view" in answer:
+            self._adopt(View.from_json(answer["view"]))
+
+    async def handle_up(self, body: dict) -> dict:
+        """``POST /v1/up`` from a child: forward toward the root, or take it at the root."""
+        rows = body.get("rows", [])
+        reports = body.get("reports", [])
+        if not isinstance(rows, list) or not isinstance(reports, list):
+            raise ValueError("rows and reports must be lists")
+        for r in reports:
+            if not (isinstance(r, list) and len(r) == 2 and r[0] in ("dead", "alive") and isinstance(r[1], int)):
+                raise ValueError("a report is [\"dead\"|\"alive\", node]")
+        self.stats.up_received += 1
+        answer: dict = {"view": self.view.to_json()}
+        if self.is_root():
+            answer["manifests"] = await self._take(rows, reports)
+        else:
+            # forwarded with this node's next send; a row of a step committed here is answered at once
+            late = sorted({(r["job"], r["step"]) for r in rows if (r["job"], r["step"]) in self._committed})
+            answer["manifests"] = [self._committed[k].decode() for k in late]
+            self._rows.extend(r for r in rows if (r["job"], r["step"]) not in self._committed)
+            self._reports.extend(reports)
+            self._wake.set()
+        return answer
+
+    # -- down --------------------------------------------------------------------------------
+    def committed(self, job: str, step: int, data: bytes) -> None:
+        """The step's manifest is committed here: drop its unacked rows, keep it for late rows."""
+        self._unacked.pop((job, step), None)
+        self._committed[(job, step)] = data
+        while len(self._committed) > KEEP_COMMITTED:
+            self._committed.popitem(last=False)
+
+    def forget(self, job: str, steps: set[int]) -> None:
+        """Steps dropped by a rewind: later rows for the same numbers belong to a new run."""
+        for s in steps:
+            self._committed.pop((job, s), None)
+            self._unacked.pop((job, s), None)
+
+    def broadcast(self, data: bytes) -> None:
+        """At the root: send a manifest just committed here down the tree."""
+        asyncio.ensure_future(self._send_down({"manifests": [data.decode()], "view": self.view.to_json()}))
+
+    async def _send_down(self, body: dict) -> None:
+        async def one(child: int) -> None:
+            try:
+                await self.post(child, "/v1/down", body)
+                self.stats.down_sent += 1
+            except Exception as e:  # the child's rows stay unacked there: it catches up from the root
+                log.info("node %d did not take a message down the commit tree: %s", child, e)
+
+        await asyncio.gather(*(one(c) for c in self.children()))
+
+    async def handle_down(self, body: dict) -> dict:
+        """``POST /v1/down`` from the parent: adopt its view, commit its manifests, forward to the children."""
+        texts = body.get("manifests", [])
+        if not isinstance(texts, list) or not all(isinstance(t, str) for t in texts):
+            raise ValueError("manifests must be a list of strings")
+        self.stats.down_received += 1
+        if "view" in body:
+            self._adopt(View.from_json(body["view"]))
+        for text in texts:
+            await self._commit_text(text)
+        asyncio.ensure_future(self._send_down(body))
+        return {}
+
+    async def _commit_text(self, text: str) -> None:
+        import json
+
+        data = text.encode()
+        obj = json.loads(data)
+        if not isinstance(obj, dict):
+            raise ValueError("a manifest is a JSON object")
+        job, step = obj.get("job"), obj.get("step")
+        if (job, step) in self._committed:
+            return
+        await self.on_manifest(job, step, data)
+
+    def _adopt(self, view: View) -> None:
+        if view.epoch > self.view.epoch:
+            self.view = view
+            self.on_view(view)
+            self.view_changed()
+
+
+def _dedupe(rows: list[dict]) -> list[dict]:
+    seen: dict[tuple, dict] = {}
+    for r in rows:
+        seen[(r.get("job"), r.get("step"), r.get("rank"))] = r
+    return list(seen.values())
