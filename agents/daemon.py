@@ -1023,7 +1023,7 @@ class Agent:
         """Keep ``replicas`` copies of every retained step's shards on live nodes (re-replicate, refill)."""
         while True:
             with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self._heal_now.wait(), timeout=max(2.0, 2 * self.settings.heartbeat))
+                await asyncio.wait_for(self._heal_now.wait(), timeout=max(5.0, 5 * self.settings.heartbeat))
             self._heal_now.clear()
             try:
                 await self._heal_once()
@@ -1055,7 +1055,11 @@ class Agent:
             except (TierError, OSError) as e:
                 self._peer_error(r, e)
 
-        await asyncio.gather(*(listing(r) for r in sorted(alive - {self.me})))
+        # only the nodes placement names for the shards held here: O(replicas) peers, not every peer
+        primaries = {sh.node for steps in inv.steps.values() for st in steps.values() if st.manifest is not None
+                     for sh in st.manifest.shards if sh.rank in st.shards}
+        partners = {r for p in primaries for r in self.members.desired(p, alive)} - {self.me}
+        await asyncio.gather(*(listing(r) for r in sorted(partners & alive)))
         made = 0
         for job, steps in inv.steps.items():
             for step, st in sorted(steps.items()):
@@ -1120,7 +1124,11 @@ class Agent:
                 except (TierError, OSError) as e:
                     st["errors"].append(f"node {r}: {e}")
 
-            await asyncio.gather(*(listing(r) for r in sorted(self.peer_tiers)))
+            # the nodes placement puts this node's copies on first; every other peer only if they hold nothing
+            nodes = set(self.members.desired(self.me, {n.rank for n in self.members.nodes})) - {self.me}
+            await asyncio.gather(*(listing(r) for r in sorted(nodes)))
+            if not any(keys.parse_key(k) is not None for held in listings.values() for k in held):
+                await asyncio.gather(*(listing(r) for r in sorted(set(self.peer_tiers) - nodes)))
             steps: dict[str, dict[int, int]] = {}  # job -> step -> a node that holds its manifest
             for r, held in sorted(listings.items(), reverse=True):
                 for key in held:

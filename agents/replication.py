@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 from .placement import Node, parse_peers, placement_order, replica_targets
 
-__all__ = ["DEFLATED_JSON", "PeerLink", "PeerState", "Membership", "load_peer_list", "peer_tiers", "post_json"]
+__all__ = ["DEFLATED_JSON", "PeerLink", "placement_partners", "PeerState", "Membership", "load_peer_list", "peer_tiers", "post_json"]
 
 
 def load_peer_list(spec: str) -> list[Node]:
@@ -283,8 +283,19 @@ def post_json(addr: str, path: str, obj: dict, *, secret: bytes | None, node: in
     return json.loads(data or b"{}")
 
 
-def peer_tiers(settings, *, timeout: float | None = None) -> list:
-    """A client tier for every other node in ``settings.peers`` (none without peers), in node order."""
+def placement_partners(settings) -> set[int]:
+    """The nodes that placement puts copies of this node's shards on (all alive), this node excluded."""
+    if not settings.peers:
+        return set()
+    nodes = load_peer_list(settings.peers)
+    m = Membership(nodes, settings.node_rank, settings.replicas, settings.placement, settings.dead_after)
+    return set(m.desired(settings.node_rank, {n.rank for n in nodes})) - {settings.node_rank}
+
+
+def peer_tiers(settings, *, timeout: float | None = None, only: set[int] | None = None,
+               exclude: set[int] | None = None) -> list:
+    """A client tier for every other node in ``settings.peers`` (none without peers), in node order;
+    ``only`` / ``exclude`` narrow it to / away from those node ranks."""
     if not settings.peers:
         return []
     from tiers.peer import PeerTier
@@ -298,4 +309,5 @@ def peer_tiers(settings, *, timeout: float | None = None) -> list:
         ctx = ssl.create_default_context(cafile=settings.tls_ca)
     return [PeerTier(n.addr, secret=secret, node=settings.node_rank, ssl_context=ctx,
                      timeout=timeout or min(settings.peer_timeout, 5.0))
-            for n in load_peer_list(settings.peers) if n.rank != settings.node_rank]
+            for n in load_peer_list(settings.peers) if n.rank != settings.node_rank
+            and (only is None or n.rank in only) and (exclude is None or n.rank not in exclude)]

@@ -41,7 +41,7 @@ import torch.distributed as dist
 
 from agents.config import Settings
 from agents.launch import connect_or_spawn
-from agents.replication import peer_tiers
+from agents.replication import peer_tiers, placement_partners
 from agents.protocol import AgentClient, AgentError, AgentUnreachableError
 from recovery import RestorePlan, ShardReport, node_costs, open_shard, plan_restore, scan_tiers, source_name
 from recovery.planner import StepNotFoundError
@@ -281,7 +281,8 @@ class Checkpointer:
 
     def _near_tiers(self) -> list[Tier]:
         out: list[Tier] = [MemoryTier(self.settings.shm)]
-        out += peer_tiers(self.settings)
+        # the peers placement puts this node's copies on: a rank never lists every node's memory
+        out += peer_tiers(self.settings, only=placement_partners(self.settings))
         if self.settings.disk:
             out.append(DiskTier(self.settings.disk, compress=self.settings.compress))
         return out
@@ -689,8 +690,20 @@ class Checkpointer:
             try:
                 whole = plan_restore(invs, self.job, agreed, costs=costs)
             except StepNotFoundError:
+                # resharding reads other ranks' shards: the other nodes' memory holds them before S3 does
+                others = peer_tiers(self.settings, exclude=placement_partners(self.settings))
+                if others:
+                    invs = invs + scan_tiers(others, self.job)
+                    try:
+                        whole = plan_restore(invs, self.job, agreed, costs=costs)
+                    except StepNotFoundError:
+                        whole = None
+                else:
+                    whole = None
+            if whole is None:
                 if not far:
-                    raise
+                    raise StepNotFoundError(f"step {agreed} of {self.job!r}: the shards a resharding restore "
+                                            "needs are not all reachable")
                 add_far()  # resharding reads other ranks' shards too: some may be left only in S3
                 whole = plan_restore(invs, self.job, agreed, costs=costs)
             reports = self._load_resharded(whole, state)

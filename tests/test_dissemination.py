@@ -196,7 +196,7 @@ def cluster(tmp_path):
             c.kill(i, wipe=False)
 
 
-def _stage_all(c, step: int, homes: dict[int, int]) -> None:
+def _stage_all(c, step: int, homes: dict[int, int], world: int = 4) -> None:
     """Each rank ``r`` commits ``step`` to the agent of node ``homes[r]``, all at once, as trainers would."""
     from test_e2e_faults import _stage_raw
 
@@ -204,7 +204,7 @@ def _stage_all(c, step: int, homes: dict[int, int]) -> None:
 
     def one(rank: int, node: int) -> None:
         try:
-            _stage_raw(c.shm(node), "tree", step, 1 << 20, rank=rank, world=len(homes))
+            _stage_raw(c.shm(node), "tree", step, 1 << 20, rank=rank, world=world)
         except Exception as e:  # noqa: BLE001 - reported below
             errors.append(e)
 
