@@ -827,11 +827,11 @@ def extrapolation_table(runs: list[ScaleRun]) -> tuple[str, list[str]]:
             continue
         model = {"constant": "a", "linear": "a + b·N", "log": "a + b·ln N"}[f.model]
         model += f" (a={_num(f.a)}" + (f", b={_num(f.b)})" if f.model != "constant" else ")")
-        r2 = "/".join(f"{f.r2_by_model[m]:.2f}" for m in ("constant", "linear", "log"))
+        r2 = "/".join(f"{max(0.0, f.r2_by_model[m]):.2f}" for m in ("constant", "linear", "log"))
         rows.append([name, unit, measured, model, r2, *[_num(f.at(n)) for n in EXTRAPOLATE_TO]])
         if limit is not None:
             at = f.reaches(limit)
-            if at is not None:
+            if at is not None and at <= 1e9:
                 notes.append(f"{name}: the fit reaches {what} at N ≈ {at:,.0f}")
     return markdown_table(headers, rows), notes
 
@@ -912,9 +912,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"note N={r.n}: {r.deaths_at_start} peers declared dead during start-up (before measuring)")
     if len(runs) >= 2:
         table, notes = extrapolation_table(runs)
-        print("\n(c) EXTRAPOLATED, NOT MEASURED: least-squares fit of each per-node figure against N over the "
-              "measured N, and its value at 1,000 and 10,000 nodes. A fit knows nothing of limits and "
-              "saturation past the measured N; on one machine the agents share its cores, so figures measured "
+        print("\n(c) EXTRAPOLATED, NOT MEASURED: least-squares fit of each figure against N over the measured "
+              "N at which the cluster worked (unstarred), and its value at 1,000 and 10,000 nodes. A fit knows "
+              "nothing of limits and saturation past the measured N; on one machine the agents share its cores, so figures measured "
               "under saturation (Σ agents ≈ cores) are lower bounds of what N separate nodes would show\n")
         print(table)
         for note in notes:
