@@ -247,6 +247,13 @@ class PeerServer:
         self._runner: web.AppRunner | None = None
         # counters for /metrics; touched only on the event loop's thread
         self._requests: collections.Counter[tuple[str, str, int]] = collections.Counter()
+        #: request body bytes (Content-Length) by route and method
+        self._request_bytes: collections.Counter[tuple[str, str]] = collections.Counter()
+        #: requests and their body bytes by signed sender node and route (which node sent what); one series
+        #: per peer and route, so /metrics grows with the job's node count
+        self._from_requests: collections.Counter[tuple[int, str]] = collections.Counter()
+        self._from_bytes: collections.Counter[tuple[int, str]] = collections.Counter()
+        self._refused_connections = 0
         self._auth_failures: collections.Counter[str] = collections.Counter()
         self._bytes_in = 0
         self._bytes_out = 0
@@ -311,6 +318,7 @@ class PeerServer:
         def protocol() -> asyncio.BaseProtocol:
             if len(server.connections) >= self.max_connections:
                 log.warning("%s: %d connections open, refusing one more", self.describe(), self.max_connections)
+                self._refused_connections += 1
                 return _Refuse()
             return server()
 
@@ -411,6 +419,12 @@ class PeerServer:
         self._requests[(route, method, response.status)] += 1
         if request.method != "HEAD" and response.content_length:
             self._bytes_out += response.content_length
+        body = request.content_length or 0
+        self._request_bytes[(route, method)] += body
+        sender = request.get(_AUTHED)
+        if sender is not None:
+            self._from_requests[(sender, route)] += 1
+            self._from_bytes[(sender, route)] += body
 
     # -- keys ------------------------------------------------------------------------------
     def _key(self, request: web.Request) -> str:
@@ -606,6 +620,26 @@ class PeerServer:
             lines.append(f'tierckpt_peer_requests_total{{route="{_label(route)}",method="{method}",'
                          f'status="{status}"}} {n}')
         lines += [
+            "# HELP tierckpt_peer_request_bytes_total Request body bytes (Content-Length) of requests answered, "
+            "by route and method.",
+            "# TYPE tierckpt_peer_request_bytes_total counter",
+        ]
+        for (route, method), n in sorted(self._request_bytes.items()):
+            lines.append(f'tierckpt_peer_request_bytes_total{{route="{_label(route)}",method="{method}"}} {n}')
+        lines += [
+            "# HELP tierckpt_peer_sender_requests_total Signed requests answered, by sender node and route.",
+            "# TYPE tierckpt_peer_sender_requests_total counter",
+        ]
+        for (node, route), n in sorted(self._from_requests.items()):
+            lines.append(f'tierckpt_peer_sender_requests_total{{node="{node}",route="{_label(route)}"}} {n}')
+        lines += [
+            "# HELP tierckpt_peer_sender_bytes_total Request body bytes of signed requests answered, by sender "
+            "node and route.",
+            "# TYPE tierckpt_peer_sender_bytes_total counter",
+        ]
+        for (node, route), n in sorted(self._from_bytes.items()):
+            lines.append(f'tierckpt_peer_sender_bytes_total{{node="{node}",route="{_label(route)}"}} {n}')
+        lines += [
             "# HELP tierckpt_peer_auth_failures_total Requests refused for failed authentication, by reason.",
             "# TYPE tierckpt_peer_auth_failures_total counter",
         ]
@@ -619,6 +653,9 @@ class PeerServer:
             ("tierckpt_peer_aborted_uploads_total", "Uploads whose body stalled or ended early.",
              self._aborted_uploads),
             ("tierckpt_peer_errors_total", "Requests that failed inside the server (500/503).", self._errors),
+            ("tierckpt_peer_connections_refused_total", "Connections over max_connections, answered 503 and "
+                                                        "closed (not in tierckpt_peer_requests_total).",
+             self._refused_connections),
         ):
             lines += [f"# HELP {name} {help_}", f"# TYPE {name} counter", f"{name} {value}"]
         if self.metrics_cb is not None:

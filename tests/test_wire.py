@@ -415,6 +415,48 @@ def test_metrics_are_prometheus_text_with_counters_and_callback_gauges(peer_serv
     assert "bad name" not in text
 
 
+def test_metrics_count_request_body_bytes_by_route_and_by_signed_sender(peer_server):
+    _, addr, _ = peer_server(SECRET)
+    with PeerTier(addr, secret=SECRET, node=3) as t:
+        t.put(KEY, b"x" * 100)
+        t.put(manifest_key("job", 1), b"{}")
+        t.health()
+    with PeerTier(addr, secret=SECRET, node=7) as t:
+        t.get(KEY)
+    request(addr, "PUT", PATH, body=b"y" * 50)  # unsigned: refused, so no sender to count it under
+    text = metrics(addr)
+    assert counter(text, "tierckpt_peer_request_bytes_total", route="object", method="PUT") == 152
+    assert counter(text, "tierckpt_peer_request_bytes_total", route="health", method="GET") == 0
+    assert counter(text, "tierckpt_peer_sender_requests_total", node="3", route="object") == 2
+    assert counter(text, "tierckpt_peer_sender_requests_total", node="3", route="health") == 1
+    assert counter(text, "tierckpt_peer_sender_bytes_total", node="3") == 102
+    assert counter(text, "tierckpt_peer_sender_requests_total", node="7") == 1
+    assert counter(text, "tierckpt_peer_sender_bytes_total", node="7") == 0
+    assert counter(text, "tierckpt_peer_sender_requests_total") == 4
+
+
+def test_connections_refused_over_the_cap_are_counted(peer_server):
+    _, addr, _ = peer_server(max_connections=1)
+    host, port = parse_addr(addr)
+    held = socket.create_connection((host, port))
+    held.sendall(b"GET /v1/health HTTP/1.1\r\nHost: x\r\n\r\n")
+    assert held.recv(64).startswith(b"HTTP/1.1 200")
+    for _ in range(2):
+        with socket.create_connection((host, port)) as s:
+            assert s.recv(64).startswith(b"HTTP/1.1 503")
+    held.close()
+    text = None
+    for _ in range(100):  # the server counts the held connection out once its loop sees the close
+        try:
+            text = metrics(addr)
+            break
+        except AssertionError:
+            time.sleep(0.05)
+    assert text is not None and counter(text, "tierckpt_peer_connections_refused_total") >= 2
+    # a refused connection never reaches the application, so it is not a request
+    assert counter(text, "tierckpt_peer_requests_total", status="503") == 0
+
+
 # -- a live server: garbage ---------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def fuzz_servers(tmp_path_factory):
