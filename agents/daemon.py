@@ -183,6 +183,8 @@ class Agent:
         self.dis: Disseminator | None = None
         self._links: dict[int, PeerLink] = {}
         self._ctrl_pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self._out_pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self._pull_pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._sources_cache: tuple[frozenset[int], set[int]] | None = None
         if settings.peers:
             self._setup_peers()
@@ -215,6 +217,10 @@ class Agent:
         # so the peer server, which answers in the default executor, never waits behind them
         self._ctrl_pool = concurrent.futures.ThreadPoolExecutor(max(4, 2 * s.fanout + 4),
                                                                 thread_name_prefix="tierckpt-ctrl")
+        # outgoing peer requests (which wait on a remote) and pulls served for a peer's fetch (which only wait
+        # on the remote's sendfile) each have their own threads: neither can starve the other, nor serving
+        self._out_pool = concurrent.futures.ThreadPoolExecutor(16, thread_name_prefix="tierckpt-out")
+        self._pull_pool = concurrent.futures.ThreadPoolExecutor(8, thread_name_prefix="tierckpt-pull")
         self._links = {n.rank: PeerLink(n.addr, secret=self._secret, node=self.me, timeout=s.peer_timeout,
                                         ssl_context=self._client_ssl) for n in nodes if n.rank != self.me}
         self.dis = Disseminator(self.me, alive=self.members.alive, post=self._post, on_rows=self._take_rows,
@@ -311,8 +317,9 @@ class Agent:
                 await self.peer_server.stop()
         for link in self._links.values():
             link.close()
-        if self._ctrl_pool is not None:
-            self._ctrl_pool.shutdown(wait=False, cancel_futures=True)
+        for pool in (self._ctrl_pool, self._out_pool, self._pull_pool):
+            if pool is not None:
+                pool.shutdown(wait=False, cancel_futures=True)
         if abandoned:
             log.warning("agent stopping with writes abandoned (left incomplete, never reported complete): %s",
                         json.dumps(abandoned))
@@ -668,7 +675,7 @@ class Agent:
                                      ssl_context=self._client_ssl)
 
                 if isinstance(checksum, str):
-                    await asyncio.to_thread(call, "/v1/fetch", {"key": key, "size": nbytes, "checksum": checksum,
+                    await self._out(call, "/v1/fetch", {"key": key, "size": nbytes, "checksum": checksum,
                                                                 "from": self.me}, timeout)
                 else:
                     # the peer pulls while this node's checksum is still being computed; the copy is
@@ -680,7 +687,7 @@ class Agent:
                     expected = await checksum
                     got = await pull
                     match = got.get("checksum") == expected
-                    await asyncio.to_thread(call, "/v1/publish", {"token": got.get("token", ""),
+                    await self._out(call, "/v1/publish", {"token": got.get("token", ""),
                                                                   "checksum": expected, "publish": match})
                     if not match:
                         from tiers.errors import ChecksumMismatchError
@@ -688,7 +695,7 @@ class Agent:
                         raise ChecksumMismatchError(f"{key} reached node {r} with checksum {got.get('checksum')}, "
                                                     f"the primary has {expected}: copy dropped")
             else:
-                await asyncio.to_thread(self.peer_tiers[r].put, key, src)
+                await self._out(self.peer_tiers[r].put, key, src)
             st.sent_bytes += nbytes
             self.stats["replicated_bytes"] += nbytes
             log.info("%s copied to node %d: %d bytes in %.3f s", key, r, nbytes, time.perf_counter() - t0)
@@ -734,6 +741,14 @@ class Agent:
         log.warning("node %d (%s): %s", r, st.node.addr, e)
 
     # ------------------------------------------------------------------ commit tree
+    async def _out(self, fn, *args):
+        """Run a blocking request to a peer in the outgoing-request threads."""
+        return await asyncio.get_running_loop().run_in_executor(self._out_pool, functools.partial(fn, *args))
+
+    async def _pulling(self, fn, *args):
+        """Run a pull from a peer (replication, warm restore) in the pull threads."""
+        return await asyncio.get_running_loop().run_in_executor(self._pull_pool, functools.partial(fn, *args))
+
     async def _post(self, r: int, path: str, body: dict) -> dict:
         """A signed control POST to node ``r`` over its keep-alive link, in the control executor."""
         loop = asyncio.get_running_loop()
@@ -769,8 +784,7 @@ class Agent:
                 continue
             key = (job, step)
             self._seen(job, step)
-            if await asyncio.to_thread(os.path.exists, self.memory.path(keys.manifest_key(job, step))) \
-                    and key not in self._pending:
+            if os.path.exists(self.memory.path(keys.manifest_key(job, step))) and key not in self._pending:
                 continue  # committed here already
             pend = self._pending.get(key)
             if pend is None:
@@ -799,7 +813,7 @@ class Agent:
         except ManifestError as e:
             log.warning("a manifest sent down the commit tree was refused: %s", e)
             return False
-        if await asyncio.to_thread(os.path.exists, self.memory.path(keys.manifest_key(m.job, m.step))):
+        if os.path.exists(self.memory.path(keys.manifest_key(m.job, m.step))):
             self.dis.committed(m.job, m.step, data)
             return False
         return await self._commit_manifest(m, data)
@@ -880,7 +894,7 @@ class Agent:
         held = await self._budget.acquire(size)
         t0 = time.perf_counter()
         try:
-            got, tmp = await asyncio.to_thread(self._pull, src, key, size, checksum)
+            got, tmp = await self._pulling(self._pull, src, key, size, checksum)
             log.info("%s pulled from node %d: %d bytes in %.3f s", key, src, size, time.perf_counter() - t0)
         except (TierError, OSError) as e:
             return web.Response(status=502, text=f"pull of {key} from node {src} failed: {e}\n")
@@ -1051,7 +1065,7 @@ class Agent:
 
         async def listing(r: int) -> None:
             try:
-                held[r] = set(await asyncio.to_thread(self.peer_tiers[r].list, ""))
+                held[r] = set(await self._out(self.peer_tiers[r].list, ""))
             except (TierError, OSError) as e:
                 self._peer_error(r, e)
 
@@ -1120,7 +1134,7 @@ class Agent:
 
             async def listing(r: int) -> None:
                 try:
-                    listings[r] = set(await asyncio.to_thread(self.peer_tiers[r].list, ""))
+                    listings[r] = set(await self._out(self.peer_tiers[r].list, ""))
                 except (TierError, OSError) as e:
                     st["errors"].append(f"node {r}: {e}")
 
@@ -1161,7 +1175,7 @@ class Agent:
         if await asyncio.to_thread(os.path.exists, self.memory.path(mkey)):
             return True
         try:
-            data = await asyncio.to_thread(self.peer_tiers[holder].get, mkey)
+            data = await self._out(self.peer_tiers[holder].get, mkey)
             m = Manifest.from_bytes(data, job=job, step=step)
         except (TierError, OSError, ValueError) as e:
             st["errors"].append(f"{mkey} from node {holder}: {e}")
@@ -1180,7 +1194,7 @@ class Agent:
             for r in [q for q in sorted(listings) if key in listings[q]]:
                 held = await self._budget.acquire(sh.size)
                 try:
-                    await asyncio.to_thread(self._pull, r, key, sh.size, sh.checksum)
+                    await self._pulling(self._pull, r, key, sh.size, sh.checksum)
                     st["shards"] += 1
                     st["bytes"] += sh.size
                     return True
@@ -1206,7 +1220,7 @@ class Agent:
             return True
         for r in dict.fromkeys(nodes):
             try:
-                data = await asyncio.to_thread(self.peer_tiers[r].get, lkey)
+                data = await self._out(self.peer_tiers[r].get, lkey)
                 Layout.from_bytes(data, digest)
             except (TierError, OSError, ManifestError) as e:
                 self.prefetch["errors"].append(f"{lkey} from node {r}: {e}")
@@ -1548,7 +1562,7 @@ class Agent:
                  "last_seen_s": None if p.last_seen is None else round(now - p.last_seen, 3),
                  "bytes_held": p.bytes_held, "sent_bytes": p.sent_bytes, "debt_bytes": p.debt_bytes,
                  "errors": p.errors, "last_error": p.last_error,
-                 "replicates_to": r in self.members.targets(self.me)}
+                 "replicates_to": r in self.members.targets(self.me), "watched": r in self.members.watched}
                 for r, p in sorted(self.members.peers.items())]
 
     async def _op_delete(self, conn: _Conn, req: dict) -> dict:

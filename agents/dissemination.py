@@ -343,9 +343,10 @@ class Disseminator:
         self.stats.down_received += 1
         if "view" in body:
             self._adopt(View.from_json(body["view"]))
+        # forwarded before it is committed here: each level of the tree adds one hop, not one commit
+        asyncio.ensure_future(self._send_down(body))
         for text in texts:
             await self._commit_text(text)
-        asyncio.ensure_future(self._send_down(body))
         return {}
 
     async def _commit_text(self, text: str) -> None:

@@ -1,6 +1,6 @@
 """The peer server: this node's memory tier over HTTP/1.1, for the agents of other nodes.
 
-Routes (``<key>`` is a shard or manifest key of :mod:`tiers.keys`; any other key is a 400)::
+Routes (``<key>`` is a shard, manifest or layout key of :mod:`tiers.keys`; any other key is a 400)::
 
     GET    /v1/health            {"node", "version", "time", "bytes_held", "objects"} (heartbeats)
     GET    /v1/list?prefix=P[&after=K]
@@ -13,6 +13,24 @@ Routes (``<key>`` is a shard or manifest key of :mod:`tiers.keys`; any other key
                                  422 on a checksum mismatch (nothing published)
     DELETE /v1/o/<key>           204, present or not
     GET    /metrics              Prometheus text; never needs a signature
+
+A layout PUT is stored only when its content matches the digest its key names (else 422).
+
+The node agent adds its own routes (handlers in :mod:`agents.daemon`), all signed, small JSON bodies
+(``Content-Type: application/x-tierckpt-deflate`` for a zlib-deflated one)::
+
+    POST   /v1/up                commit tree, child → parent: {"rows": [commit row, ...], "epoch",
+                                 "reports": [["dead"|"alive", node], ...]}; answers {"view": {epoch,
+                                 dead}, "manifests": [manifest text of a step already committed here]}
+    POST   /v1/down              commit tree, parent → child: {"manifests": [text], "view"}; the child
+                                 commits each manifest and forwards the message to its children
+    POST   /v1/fetch             replication: {"key", "size", "from", ["checksum"]}: this node pulls
+                                 the shard from node ``from`` (GET /v1/o/<key>) into its memory and
+                                 answers {"checksum", "token"} once it is verified (or held, no checksum)
+    POST   /v1/publish           {"token", "checksum", "publish"}: publish or drop a held pull
+
+A commit row: {"job", "step", "rank", "world", "nbytes", "checksum", "layout" (digest), "values",
+"save_index", "metadata", "node"} (see :mod:`agents.dissemination` for who sends what to whom).
 
 With a secret, every other request must carry a valid signature
 (:mod:`tiers.wire`) or is answered 401 with a one-line reason; the refusal is
@@ -40,6 +58,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
+import concurrent.futures
 import contextlib
 import errno
 import inspect
@@ -245,6 +264,11 @@ class PeerServer:
         self._verifier = Verifier(secret, max_skew=max_skew) if secret else None
         self._extra = list(extra_routes or ())
         self._runner: web.AppRunner | None = None
+        # the server's own threads (folder walks, deletes, uploads' allocation): never shared with the
+        # agent's outgoing calls, so serving cannot wait behind them
+        self._pool = concurrent.futures.ThreadPoolExecutor(8, thread_name_prefix="tierckpt-serve")
+        self._held_cache: tuple[int, int] = (0, 0)
+        self._held_at = -1e9
         # counters for /metrics; touched only on the event loop's thread
         self._requests: collections.Counter[tuple[str, str, int]] = collections.Counter()
         #: request body bytes (Content-Length) by route and method
@@ -340,6 +364,7 @@ class PeerServer:
         runner, self._runner = self._runner, None
         if runner is not None:
             await runner.cleanup()
+        self._pool.shutdown(wait=False, cancel_futures=True)
 
     async def __aenter__(self) -> "PeerServer":
         await self.start()
@@ -449,7 +474,12 @@ class PeerServer:
         return total, count
 
     async def _health(self, request: web.Request) -> web.Response:
-        held, count = await asyncio.get_running_loop().run_in_executor(None, self._held)
+        # heartbeats come every second from several peers: the walk of the memory folder is shared for a second
+        now = time.monotonic()
+        if now - self._held_at > 1.0:
+            self._held_cache = await asyncio.get_running_loop().run_in_executor(self._pool, self._held)
+            self._held_at = now
+        held, count = self._held_cache
         return web.json_response({"node": self.node, "version": WIRE_VERSION, "time": time.time(),
                                   "bytes_held": held, "objects": count})
 
@@ -475,7 +505,7 @@ class PeerServer:
         for name, value in (("prefix", prefix), ("after", after)):
             if len(value) > MAX_KEY_LEN or "\0" in value:
                 return _text(400, f"invalid {name} {value[:64]!r}")
-        entries, more = await asyncio.get_running_loop().run_in_executor(None, self._scan, prefix, after)
+        entries, more = await asyncio.get_running_loop().run_in_executor(self._pool, self._scan, prefix, after)
         return web.json_response(entries, headers={H_MORE: "1" if more else "0"})
 
     async def _get(self, request: web.Request) -> web.StreamResponse:
@@ -492,7 +522,7 @@ class PeerServer:
 
     async def _delete(self, request: web.Request) -> web.Response:
         key = self._key(request)
-        await asyncio.get_running_loop().run_in_executor(None, self.memory.delete, key)
+        await asyncio.get_running_loop().run_in_executor(self._pool, self.memory.delete, key)
         return web.Response(status=204)
 
     def _check_upload(self, request: web.Request, key: str) -> tuple[int, str | None]:
@@ -549,7 +579,7 @@ class PeerServer:
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
             if size:
                 # claim the memory up front: a full tmpfs fails here, not after the transfer
-                await loop.run_in_executor(None, os.posix_fallocate, fd, 0, size)
+                await loop.run_in_executor(self._pool, os.posix_fallocate, fd, 0, size)
             hasher = Hasher()
             done = 0
             while done < size:
@@ -585,7 +615,7 @@ class PeerServer:
             lay = keys.parse_layout_key(key)
             if lay is not None:
                 # a layout names itself: one that does not match its digest is never stored
-                problem = await loop.run_in_executor(None, _layout_problem, tmp, lay[1])
+                problem = await loop.run_in_executor(self._pool, _layout_problem, tmp, lay[1])
                 if problem:
                     self._checksum_mismatches += 1
                     return _text(422, f"{key}: {problem}")

@@ -6,8 +6,14 @@
 
 Parts:
 
-(a) ``metadata``: the sizes of the step's metadata as N grows. Not in this file yet (see
-    ``bench_metadata``); ``--part metadata`` says so and measures nothing.
+(a) ``metadata``: one step's metadata for Llama-3-like jobs of 64, 1,024 and 16,384 ranks (FSDP2
+    dim-0 shards of bf16 parameters and fp32 AdamW moments; synthetic layouts, no tensors): the old
+    format (each rank's layout inline in its commit record, sent to every node, and in the manifest)
+    against layouts by digest (a commit row per rank up the tree, one manifest down, deflated), the
+    layout objects stored once, what a same-world restore reads, and the all-rank Parquet chunk
+    table (written, one rank's rows read, one tensor's rows read). Per-rank layout figures come from
+    a sample of ranks times the world, as the table says; the old manifest is one record times the
+    world (building it at 1,024 ranks took 69 s).
 
 (b) ``agents``: for each N, N ``ckpt agent`` processes on 127.0.0.1, each with its own folder under
     /dev/shm standing for a node, started as a job script would (``--peers FILE --secret-file F
@@ -56,6 +62,7 @@ import concurrent.futures
 import contextlib
 import ctypes
 import http.client
+import json
 import math
 import os
 import re
@@ -91,7 +98,8 @@ JOB = "scale"
 BACKGROUND_ROUTES = frozenset({"health", "list"})
 #: routes that are the benchmark's own reading of the servers
 IGNORED_ROUTES = frozenset({"metrics"})
-COMMIT_ROUTE = "/v1/commit"
+#: the commit tree's routes: rows up, manifests and views down
+COMMIT_ROUTES = ("/v1/up", "/v1/down")
 DEATH_LINE = "declared dead"
 EXTRAPOLATE_TO = (1_000, 10_000)
 
@@ -485,7 +493,8 @@ def _oldest_heartbeat(cluster: AgentCluster, pool) -> tuple[float | None, int]:
             continue
         for p in st.get("peers", []):
             dead += not p.get("alive")
-            if p.get("last_seen_s") is not None:
+            # an agent heartbeats only the peers it watches (tree neighbours, placement partners)
+            if p.get("watched", True) and p.get("last_seen_s") is not None:
                 oldest = max(oldest or 0.0, float(p["last_seen_s"]))
     return oldest, dead
 
@@ -522,8 +531,9 @@ def run_agents(n: int, *, ranks_per_node: int = 8, shard_bytes: int = 4096, repl
         while left() > 0 and time.monotonic() - t_up < 30:
             up_for = time.monotonic() - t_up
             sts = list(pool.map(lambda i: cluster.call(i, "status"), range(n)))
-            if all(st is not None and all(p.get("alive") and p.get("last_seen_s") is not None
-                                          and p["last_seen_s"] < up_for for p in st["peers"]) for st in sts):
+            if all(st is not None and all(p.get("alive") and (not p.get("watched", True) or (
+                    p.get("last_seen_s") is not None and p["last_seen_s"] < up_for)) for p in st["peers"])
+                   for st in sts):
                 res.warm_s = time.monotonic() - t_up
                 break
             time.sleep(0.25)
@@ -601,7 +611,7 @@ def run_agents(n: int, *, ranks_per_node: int = 8, shard_bytes: int = 4096, repl
             after = _scrape_all(pool, cluster)
             sr.window_s = t1 - t0
             sr.rx_msgs = [delta(a, b, "tierckpt_peer_requests_total", _step_route) for a, b in zip(after, before)]
-            sr.rx_commits = [delta(a, b, "tierckpt_peer_requests_total", lambda lb: lb.get("route") == COMMIT_ROUTE)
+            sr.rx_commits = [delta(a, b, "tierckpt_peer_requests_total", lambda lb: lb.get("route") in COMMIT_ROUTES)
                              for a, b in zip(after, before)]
             sr.rx_bytes = [delta(a, b, "tierckpt_peer_request_bytes_total", _step_route) for a, b in zip(after, before)]
             sr.tx_msgs = [_sent(after, before, i, "tierckpt_peer_sender_requests_total", _step_route) for i in range(n)]
@@ -637,9 +647,145 @@ def run_agents(n: int, *, ranks_per_node: int = 8, shard_bytes: int = 4096, repl
 
 
 # ---------------------------------------------------------------------------- (a) metadata
-def bench_metadata(nodes: list[int], **kw) -> None:
-    """Part (a): the step's metadata sizes as N grows. Not written yet: nothing here is measured."""
-    raise NotImplementedError("part (a), metadata sizes, is not in bench_scale.py yet")
+#: synthetic Llama-3-like models: layers, hidden, ffn, vocab, kv dim; and the world they run on
+MODELS = {
+    "8B / 64 ranks": (32, 4096, 14336, 128256, 1024, 64),
+    "70B / 1,024 ranks": (80, 8192, 28672, 128256, 1024, 1024),
+    "405B / 16,384 ranks": (126, 16384, 53248, 128256, 1024, 16384),
+}
+#: ranks whose layouts are built in full per model (the rest are estimated from them: said in the table)
+SAMPLED_RANKS = 8
+
+
+def _tensors(layers: int, h: int, f: int, vocab: int, kv: int) -> list[tuple[str, tuple[int, ...]]]:
+    out = [("model.embed_tokens.weight", (vocab, h))]
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        out += [(p + "self_attn.q_proj.weight", (h, h)), (p + "self_attn.k_proj.weight", (kv, h)),
+                (p + "self_attn.v_proj.weight", (kv, h)), (p + "self_attn.o_proj.weight", (h, h)),
+                (p + "mlp.gate_proj.weight", (f, h)), (p + "mlp.up_proj.weight", (f, h)),
+                (p + "mlp.down_proj.weight", (h, f)), (p + "input_layernorm.weight", (h,)),
+                (p + "post_attention_layernorm.weight", (h,))]
+    return out + [("model.norm.weight", (h,)), ("lm_head.weight", (vocab, h))]
+
+
+def synthetic_layout(model: tuple, rank: int) -> "Layout":
+    """One FSDP2 rank's layout (dim-0 shards of every parameter and of AdamW's two moments), no tensors."""
+    from tiers.layout import Layout
+    from tiers.manifest import TensorChunk
+
+    layers, h, f, vocab, kv, world = model
+    chunks, off = [], 0
+    for name, shape in _tensors(layers, h, f, vocab, kv):
+        per = -(-shape[0] // world)
+        start = min(rank * per, shape[0])
+        rows = max(0, min(per, shape[0] - start))
+        local = (rows,) + shape[1:]
+        for prefix, dtype, size in (("model.", "bfloat16", 2), ("optim.state.exp_avg.", "float32", 4),
+                                    ("optim.state.exp_avg_sq.", "float32", 4)):
+            n = math.prod(local) * size
+            off = (off + 63) // 64 * 64
+            chunks.append(TensorChunk(prefix + name, dtype, shape, (start,) + (0,) * (len(shape) - 1), local, off, n))
+            off += n
+    return Layout(tuple(chunks))
+
+
+def _timed(fn, *a, **kw):
+    t0 = time.perf_counter()
+    out = fn(*a, **kw)
+    return out, time.perf_counter() - t0
+
+
+def bench_metadata(ranks_per_node: int = 8, fanout: int = 8) -> list[dict]:
+    """Metadata per step for the three jobs: the old format (every layout inline in every commit record
+    and manifest) against layouts by digest; sizes computed from synthetic layouts, no tensors."""
+    import zlib
+
+    import xxhash
+
+    from tiers.layout import Layout, chunk_table_bytes, read_chunk_table
+    from tiers.manifest import JsonEntry, Manifest, ShardInfo
+
+    rows_out = []
+    for label, model in MODELS.items():
+        world = model[-1]
+        nodes = world // ranks_per_node
+        sample = sorted({0, world - 1} | {r * world // SAMPLED_RANKS for r in range(SAMPLED_RANKS)})
+        layouts = {r: synthetic_layout(model, r) for r in sample}
+        lay0 = layouts[0]
+        # old format: a rank's commit record carried its entries, sent to every node; the manifest held all
+        v1_row = ShardInfo(0, lay0.end, "xxh3_64:0123456789abcdef", lay0.chunks + (JsonEntry("data/pos", 1),), 0)
+        v1_record = len(json.dumps(v1_row.to_json(), separators=(",", ":")))
+        v1_rx = v1_record * ranks_per_node * (nodes - 1)
+        v1_manifest = v1_record * world
+        # new: rows name layouts by digest; one manifest of `world` rows, deflated on the wire
+        # digests and checksums as random as real ones (they do not compress)
+        digests = {r: layouts[r].digest if r in layouts else xxhash.xxh3_128_hexdigest(b"layout%d" % r)
+                   for r in range(world)}
+        sums = {r: f"xxh3_64:{xxhash.xxh3_64_hexdigest(b'shard%d' % r)}" for r in range(world)}
+        shards = tuple(ShardInfo(r, lay0.end, sums[r],
+                                 (JsonEntry("data/pos", 1000 + r),), r // ranks_per_node, digests[r])
+                       for r in range(world))
+        m = Manifest("job", 1000, world, shards, {"save_index": 1000})
+        data, t_build = _timed(m.to_bytes)
+        _, t_parse = _timed(Manifest.from_bytes, data)
+        wire = len(zlib.compress(data, 1))
+        up_row = len(json.dumps({"job": "job", "step": 1000, "rank": 0, "world": world, "nbytes": lay0.end,
+                                 "layout": lay0.digest, "values": [["data/pos", 1000]],
+                                 "checksum": "xxh3_64:0123456789abcdef", "save_index": 1000, "metadata": {},
+                                 "node": 0}, separators=(",", ":")))
+        # received per node per step: a leaf takes the manifest; the busiest node (the root) also takes every
+        # other node's rows, coming up from its children deflated (what an inner node forwards is a share of it)
+        others = [{"job": "job", "step": 1000, "rank": r, "world": world, "nbytes": lay0.end,
+                   "layout": digests[r], "values": [["data/pos", 1000 + r]],
+                   "checksum": sums[r], "save_index": 1000, "metadata": {},
+                   "node": r // ranks_per_node} for r in range(ranks_per_node, world)]
+        root_rx = len(zlib.compress(json.dumps({"rows": others}, separators=(",", ":")).encode(), 1))
+        lay_bytes = {r: len(lay.to_bytes()) for r, lay in layouts.items()}
+        per_rank = statistics.mean(lay_bytes.values())
+        own = lay_bytes[0]
+        row = {"job": label, "world": world, "v1 record": v1_record, "v1 rx/node/step": v1_rx,
+               "v1 manifest": v1_manifest, "row": up_row, "manifest": len(data), "manifest wire": wire,
+               "rx leaf": wire, "rx root": root_rx, "build s": t_build, "parse s": t_parse,
+               "layout/rank": own, "layouts stored": per_rank * world, "restore reads": len(data) + own}
+        if world <= 1024:
+            table_layouts = {r: layouts.get(r) or synthetic_layout(model, r) for r in range(world)}
+            table, t_table = _timed(chunk_table_bytes, table_layouts)
+            _, t_one = _timed(read_chunk_table, table, ranks=[world // 2])
+            name = "model.model.layers.7.self_attn.q_proj.weight"
+            _, t_name = _timed(read_chunk_table, table, names=[name])
+            row.update({"table": len(table), "table write s": t_table, "one rank s": t_one, "one tensor s": t_name})
+        rows_out.append(row)
+    return rows_out
+
+
+def print_metadata(rows: list[dict]) -> None:
+    print("\n(a) metadata per step, synthetic FSDP2 layouts (bf16 params + fp32 AdamW moments, no tensors); "
+          f"per-rank layout figures from {SAMPLED_RANKS}+ sampled ranks x world")
+    head = ["job", "old: record", "old: rx/node/step", "old: manifest", "new: row up", "new: manifest",
+            "new: on the wire", "rx/node/step leaf / root", "build / parse s", "layout/rank",
+            "layouts stored", "same-world restore reads", "chunk table", "write / 1 rank / 1 tensor s"]
+    out = [head]
+    for r in rows:
+        out.append([r["job"], _b(r["v1 record"]), _b(r["v1 rx/node/step"]), _b(r["v1 manifest"]), _b(r["row"]),
+                    _b(r["manifest"]), _b(r["manifest wire"]), f"{_b(r['rx leaf'])} / {_b(r['rx root'])}",
+                    f"{r['build s']:.3f} / {r['parse s']:.3f}", _b(r["layout/rank"]), _b(r["layouts stored"]),
+                    _b(r["restore reads"]),
+                    _b(r["table"]) if "table" in r else "not built",
+                    f"{r['table write s']:.1f} / {r['one rank s']:.3f} / {r['one tensor s']:.3f}" if "table" in r
+                    else "-"])
+    widths = [max(len(str(x[i])) for x in out) for i in range(len(head))]
+    for i, line in enumerate(out):
+        print("  ".join(str(c).ljust(w) for c, w in zip(line, widths)))
+        if i == 0:
+            print("  ".join("-" * w for w in widths))
+
+
+def _b(n: float) -> str:
+    for unit, div in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if n >= div:
+            return f"{n / div:.1f} {unit}"
+    return f"{int(n)} B"
 
 
 # ---------------------------------------------------------------------------- tables
@@ -677,7 +823,7 @@ def _lags(run: ScaleRun) -> tuple[list[float], int]:
 def step_table(runs: list[ScaleRun]) -> str:
     headers = ["N", "steps on every node", "ranks committed", "trainer wait per rank s (begin+commit)",
                "commit → manifest on every node, s (median / max)",
-               "requests rx", "commit records rx", "body bytes rx", "requests tx", "body bytes tx",
+               "requests rx", "commit-tree msgs rx", "body bytes rx", "requests tx", "body bytes tx",
                "agent CPU s, net of idle", "replica copies done"]
     rows = []
     for r in runs:
@@ -778,7 +924,7 @@ def _figures(runs: list[ScaleRun]) -> list[tuple[str, str, list[float | None], f
          [med([x for s in r.steps for x in s.call_s]) for r in runs], None, ""),
         ("commit → manifest on every node", "s", [med(_lags(r)[0]) for r in runs], None, ""),
         ("requests rx per node per step", "requests", [med(_per_step(r, "rx_msgs")) for r in runs], None, ""),
-        ("commit records rx per node per step", "requests", [med(_per_step(r, "rx_commits")) for r in runs], None, ""),
+        ("commit-tree messages rx per node per step", "requests", [med(_per_step(r, "rx_commits")) for r in runs], None, ""),
         ("body bytes rx per node per step", "bytes", [med(_per_step(r, "rx_bytes")) for r in runs], None, ""),
         ("requests tx per node per step", "requests", [med(_per_step(r, "tx_msgs")) for r in runs], None, ""),
         ("body bytes tx per node per step", "bytes", [med(_per_step(r, "tx_bytes")) for r in runs], None, ""),
@@ -880,9 +1026,9 @@ def main(argv: list[str] | None = None) -> int:
 
     status = 0
     if a.part in ("metadata", "all"):
-        print("\n(a) metadata sizes: not measured by this file yet (bench_metadata is a placeholder)")
+        print_metadata(bench_metadata(a.ranks_per_node, Settings().fanout))
         if a.part == "metadata":
-            return 2
+            return 0
     runs: list[ScaleRun] = []
     try:
         for n in nodes:
@@ -901,7 +1047,7 @@ def main(argv: list[str] | None = None) -> int:
           "tx = requests the other nodes' servers answered from this node (by the signed node header); "
           "heartbeats and listings are in the idle table\n")
     print(step_table(runs))
-    print(f"\n(b) idle ({a.idle_seconds:g} s without saves, after every agent heard from every peer): "
+    print(f"\n(b) idle ({a.idle_seconds:g} s without saves, after every agent heard from every peer it watches): "
           "per node median / max; 503s and refused connections over the whole run; "
           "false deaths: peers declared dead after start-up (no agent was stopped)\n")
     print(idle_table(runs, info["cores"]))
