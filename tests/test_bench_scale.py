@@ -24,8 +24,9 @@ def test_two_agents_save_one_step_and_the_tables_have_a_row_per_n_and_figure():
     assert len(run.steps) == 1
     step = run.steps[0]
     assert step.complete and step.errors == [] and step.skipped == 0
-    # each node's two ranks send one commit record to the other node
-    assert step.rx_commits == [2, 2]
+    # node 1's two rows go up to the root (node 0) in one or two messages (coalesced when the second is
+    # ready while the first is in flight); the manifest comes down to node 1 in one
+    assert 1 <= step.rx_commits[0] <= 2 and step.rx_commits[1] == 1, step.rx_commits
     assert step.tx_msgs == step.rx_msgs[::-1]
     assert all(b > 0 for b in step.tx_bytes)
     assert run.false_deaths == 0 and run.answered_503 == 0 and run.refused_connections == 0
