@@ -214,7 +214,7 @@ class Agent:
         mine = nodes[self.me]
         self._bucket = bucket
         # control messages (commit tree, heartbeats) get their own threads and one keep-alive link per peer,
-        # so the peer server, which answers in the default executor, never waits behind them
+        # so neither the peer server (its own threads) nor the drains (the default executor) wait behind them
         self._ctrl_pool = concurrent.futures.ThreadPoolExecutor(max(4, 2 * s.fanout + 4),
                                                                 thread_name_prefix="tierckpt-ctrl")
         # outgoing peer requests (which wait on a remote) and pulls served for a peer's fetch (which only wait
@@ -229,7 +229,8 @@ class Agent:
                                 resend_after=s.peer_timeout, retry_after=s.heartbeat)
         self.peer_server = PeerServer(
             self.memory, host=mine.host, port=mine.port, secret=self._secret, node=self.me, ssl_context=server_ssl,
-            extra_routes=[("POST", "/v1/up", self._http_up), ("POST", "/v1/down", self._http_down),
+            extra_routes=[("POST", "/v1/up", self._tree_route(self.dis.handle_up)),
+                          ("POST", "/v1/down", self._tree_route(self.dis.handle_down)),
                           ("POST", "/v1/fetch", self._http_fetch), ("POST", "/v1/publish", self._http_publish)],
             metrics_cb=self._metrics, long_paths=("/v1/fetch",),
         )
@@ -856,25 +857,19 @@ class Agent:
             raise ValueError("a control message is a JSON object")
         return body
 
-    async def _http_up(self, request):
-        """``POST /v1/up``: commit rows and membership reports from a child in the commit tree."""
+    def _tree_route(self, handle):
+        """An aiohttp handler for one of the commit tree's routes: the body (deflated or not) to ``handle``,
+        its answer as JSON; a malformed message is a 400."""
         from aiohttp import web
 
-        try:
-            answer = await self.dis.handle_up(await self._http_body(request))
-        except (ValueError, KeyError, TypeError, zlib.error) as e:
-            return web.Response(status=400, text=f"bad commit-tree message: {e}\n")
-        return web.json_response(answer)
+        async def route(request):
+            try:
+                answer = await handle(await self._http_body(request))
+            except (ValueError, KeyError, TypeError, zlib.error) as e:
+                return web.Response(status=400, text=f"bad commit-tree message: {e}\n")
+            return web.json_response(answer)
 
-    async def _http_down(self, request):
-        """``POST /v1/down``: a committed manifest and/or the root's view, from the parent in the commit tree."""
-        from aiohttp import web
-
-        try:
-            answer = await self.dis.handle_down(await self._http_body(request))
-        except (ValueError, KeyError, TypeError, zlib.error) as e:
-            return web.Response(status=400, text=f"bad commit-tree message: {e}\n")
-        return web.json_response(answer)
+        return route
 
     async def _http_fetch(self, request):
         """A peer asks this node to pull a shard from it (replication); answers once the copy is verified."""
