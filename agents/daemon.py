@@ -42,12 +42,12 @@ from tiers.disk import DiskTier
 from tiers.errors import KeyNotFoundError, ManifestError, TierError
 from tiers.layout import Layout
 from tiers.manifest import JsonEntry, Manifest, ShardInfo, TensorChunk, validate_layout
-from tiers.memory import MemoryTier
 
 from .config import Settings
 from .protocol import MAX_LINE, PROTOCOL_VERSION
 from .dissemination import Disseminator, View, tree_children, tree_parent
 from .replication import DEFLATED_JSON, Membership, PeerLink, load_peer_list, post_json
+from .tierset import disk_tier, memory_tier, peer_tier_map, s3_tier
 
 __all__ = ["Agent", "AgentAlreadyRunningError", "run_agent"]
 
@@ -126,15 +126,9 @@ class Agent:
         self.settings = settings.validate()
         self.embedded = embedded
         self.idle_exit = idle_exit
-        self.memory = MemoryTier(settings.shm)
-        self.disk: Tier | None = DiskTier(settings.disk, compress=settings.compress) if settings.disk else None
-        self.s3: Tier | None = None
-        if settings.s3:
-            from tiers.s3 import S3Tier
-
-            self.s3 = S3Tier.from_url(
-                settings.s3, endpoint_url=settings.s3_endpoint, retry_deadline=settings.s3_retry_deadline
-            )
+        self.memory = memory_tier(settings)
+        self.disk: Tier | None = disk_tier(settings)
+        self.s3: Tier | None = s3_tier(settings)
         self.lower: list[Tier] = [t for t in (self.disk, self.s3) if t is not None]
         #: layouts this agent has parsed, by (job, digest): each is parsed and stored once, then named by digest
         self._layouts: dict[tuple[str, str], Layout] = {}
@@ -190,7 +184,6 @@ class Agent:
             self._setup_peers()
 
     def _setup_peers(self) -> None:
-        from tiers.peer import PeerTier
         from tiers.wire import TokenBucket, load_secret
 
         from .peer_server import PeerServer
@@ -207,10 +200,8 @@ class Agent:
             server_ssl.load_cert_chain(s.tls_cert, s.tls_key)
             self._client_ssl = ssl.create_default_context(cafile=s.tls_ca)
         bucket = TokenBucket(s.peer_bandwidth) if s.peer_bandwidth else None
-        for n in nodes:
-            if n.rank != self.me:
-                self.peer_tiers[n.rank] = PeerTier(n.addr, secret=self._secret, node=self.me, timeout=s.peer_timeout,
-                                                   ssl_context=self._client_ssl, bucket=bucket)
+        self.peer_tiers = peer_tier_map(s, timeout=s.peer_timeout, secret=self._secret,
+                                        ssl_context=self._client_ssl, bucket=bucket)
         mine = nodes[self.me]
         self._bucket = bucket
         # control messages (commit tree, heartbeats) get their own threads and one keep-alive link per peer,

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 from .placement import Node, parse_peers, placement_order, replica_targets
 
-__all__ = ["DEFLATED_JSON", "PeerLink", "placement_partners", "PeerState", "Membership", "load_peer_list", "peer_tiers", "post_json"]
+__all__ = ["DEFLATED_JSON", "PeerLink", "placement_partners", "PeerState", "Membership", "load_peer_list", "post_json"]
 
 
 def load_peer_list(spec: str) -> list[Node]:
@@ -291,23 +291,3 @@ def placement_partners(settings) -> set[int]:
     m = Membership(nodes, settings.node_rank, settings.replicas, settings.placement, settings.dead_after)
     return set(m.desired(settings.node_rank, {n.rank for n in nodes})) - {settings.node_rank}
 
-
-def peer_tiers(settings, *, timeout: float | None = None, only: set[int] | None = None,
-               exclude: set[int] | None = None) -> list:
-    """A client tier for every other node in ``settings.peers`` (none without peers), in node order;
-    ``only`` / ``exclude`` narrow it to / away from those node ranks."""
-    if not settings.peers:
-        return []
-    from tiers.peer import PeerTier
-    from tiers.wire import load_secret
-
-    secret = load_secret(settings.secret_file) if settings.secret_file else None
-    ctx = None
-    if settings.tls_ca:
-        import ssl
-
-        ctx = ssl.create_default_context(cafile=settings.tls_ca)
-    return [PeerTier(n.addr, secret=secret, node=settings.node_rank, ssl_context=ctx,
-                     timeout=timeout or min(settings.peer_timeout, 5.0))
-            for n in load_peer_list(settings.peers) if n.rank != settings.node_rank
-            and (only is None or n.rank in only) and (exclude is None or n.rank not in exclude)]

@@ -41,16 +41,15 @@ import torch.distributed as dist
 
 from agents.config import Settings
 from agents.launch import connect_or_spawn
-from agents.replication import peer_tiers, placement_partners
+from agents.replication import placement_partners
 from agents.protocol import AgentClient, AgentError, AgentUnreachableError
+from agents.tierset import disk_tier, memory_tier, peer_tiers, s3_tier
 from recovery import RestorePlan, ShardReport, node_costs, open_shard, plan_restore, scan_tiers, source_name
 from recovery.planner import StepNotFoundError
 from tiers import keys
 from tiers.base import Tier
-from tiers.disk import DiskTier
 from tiers.layout import Layout
 from tiers.manifest import JsonEntry, TensorChunk
-from tiers.memory import MemoryTier
 
 from ._devices import DeviceAdapter, Item, make_adapter
 from ._flatten import Flat, Leaf, flatten_state
@@ -280,20 +279,15 @@ class Checkpointer:
         return self._near_tiers() + self._far_tiers()
 
     def _near_tiers(self) -> list[Tier]:
-        out: list[Tier] = [MemoryTier(self.settings.shm)]
+        out: list[Tier] = [memory_tier(self.settings)]
         # the peers placement puts this node's copies on: a rank never lists every node's memory
         out += peer_tiers(self.settings, only=placement_partners(self.settings))
-        if self.settings.disk:
-            out.append(DiskTier(self.settings.disk, compress=self.settings.compress))
-        return out
+        disk = disk_tier(self.settings)
+        return out + ([disk] if disk is not None else [])
 
     def _far_tiers(self) -> list[Tier]:
-        if not self.settings.s3:
-            return []
-        from tiers.s3 import S3Tier
-
-        return [S3Tier.from_url(self.settings.s3, endpoint_url=self.settings.s3_endpoint,
-                                retry_deadline=min(self.settings.s3_retry_deadline, 30.0))]
+        s3 = s3_tier(self.settings, retry_deadline=min(self.settings.s3_retry_deadline, 30.0))
+        return [s3] if s3 is not None else []
 
     def _far_may_be_newer(self, near_newest: int) -> bool:
         """Whether S3 could hold a step of this job newer than ``near_newest`` (this rank's newest step in

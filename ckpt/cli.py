@@ -86,18 +86,13 @@ def _settings(a: argparse.Namespace, extra: dict | None = None) -> Settings:
 
 
 def _tiers(s: Settings, *, s3_deadline: float = 20.0) -> list[Tier]:
-    out: list[Tier] = [MemoryTier(s.shm)] if os.path.isdir(s.shm) else []
-    from agents.replication import peer_tiers
+    from agents.tierset import disk_tier, memory_tier, peer_tiers, s3_tier
 
+    out: list[Tier] = [memory_tier(s)] if os.path.isdir(s.shm) else []
     out += peer_tiers(s)
-    if s.disk:
-        if not os.path.isdir(s.disk):
-            raise CliError(f"disk folder {s.disk} does not exist: check --disk / CKPT_DISK")
-        out.append(DiskTier(s.disk, compress=s.compress))
-    if s.s3:
-        from tiers.s3 import S3Tier
-
-        out.append(S3Tier.from_url(s.s3, endpoint_url=s.s3_endpoint, retry_deadline=s3_deadline, max_attempts=3))
+    if s.disk and not os.path.isdir(s.disk):
+        raise CliError(f"disk folder {s.disk} does not exist: check --disk / CKPT_DISK")
+    out += [t for t in (disk_tier(s), s3_tier(s, retry_deadline=s3_deadline, max_attempts=3)) if t is not None]
     if not out:
         raise CliError("no tier to look in: give --shm, --disk or --s3 (or start the node agent)")
     return out
