@@ -39,12 +39,14 @@ from tiers import keys
 from tiers.base import Tier
 from tiers.checksum import checksum_file
 from tiers.disk import DiskTier
-from tiers.errors import KeyNotFoundError, ManifestError, TierError
+from tiers.errors import ManifestError, TierError
 from tiers.layout import Layout
-from tiers.manifest import JsonEntry, Manifest, ShardInfo, TensorChunk, validate_layout
+from tiers.manifest import Manifest, ShardInfo
 
 from .config import Settings
-from .protocol import MAX_LINE, PROTOCOL_VERSION
+from .layouts import LayoutBook
+from .protocol import MAX_LINE, PROTOCOL_VERSION, RequestError
+from .stepbook import Pending, Row, StepBook
 from .dissemination import Disseminator, View, tree_children, tree_parent
 from .replication import DEFLATED_JSON, Membership, PeerLink, load_peer_list, post_json
 from .tierset import disk_tier, memory_tier, peer_tier_map, s3_tier
@@ -60,33 +62,6 @@ MAX_CONTROL_BODY = 64 << 20
 
 class AgentAlreadyRunningError(RuntimeError):
     """Another agent already owns the memory folder."""
-
-
-class RequestError(ValueError):
-    """A request is malformed or not allowed; answered to the client, never fatal."""
-
-
-class UnknownLayoutError(RequestError):
-    """A commit names a layout by digest that this agent does not hold: the trainer sends its entries again."""
-
-
-@dataclass
-class _Pending:
-    """A step some ranks have committed: per-rank layouts and checksums as they arrive."""
-
-    world: int
-    save_index: int
-    metadata: dict
-    sizes: dict[int, int] = field(default_factory=dict)
-    #: each rank's JSON values, parsed and checked once when they arrive
-    entries: dict[int, tuple] = field(default_factory=dict)
-    #: each rank's layout digest
-    layouts: dict[int, str] = field(default_factory=dict)
-    checksums: dict[int, asyncio.Future] = field(default_factory=dict)
-    nodes: dict[int, int] = field(default_factory=dict)
-    created: float = field(default_factory=time.time)
-    #: the manifest is being built (all ``world`` rows are here)
-    finishing: bool = False
 
 
 @dataclass(eq=False)
@@ -130,24 +105,14 @@ class Agent:
         self.disk: Tier | None = disk_tier(settings)
         self.s3: Tier | None = s3_tier(settings)
         self.lower: list[Tier] = [t for t in (self.disk, self.s3) if t is not None]
-        #: layouts this agent has parsed, by (job, digest): each is parsed and stored once, then named by digest
-        self._layouts: dict[tuple[str, str], Layout] = {}
-        #: (place, job, digest) of layout objects known to be stored in a place (a tier name, or a peer node)
-        self._layout_at: set[tuple[str, str, str]] = set()
+        self.stats = {"saves": 0, "bytes_in": 0, "drained": {t.name: 0 for t in self.lower}, "replicated_bytes": 0}
+        self.me = settings.node_rank
+        self.layouts = LayoutBook(self.memory, settings.layout_grace)
+        self.book = StepBook(self.memory, self.me, self.stats)
+        self.book.on_commit = self._after_commit
         self._layout_pushes: dict[tuple[int, str, str], asyncio.Future] = {}
-        self._layouts_trimmed: dict[tuple[str, str], float] = {}
-        self._pending: dict[tuple[str, int], _Pending] = {}
         self._leases: set[str] = set()
         self._lease_conn: dict[str, _Conn] = {}
-        self._errors: dict[str, list[str]] = {}
-        self._draining: dict[tuple[str, int], set[str]] = {}
-        self._settled: dict[tuple[str, int], asyncio.Event] = {}
-        #: per job, the newest step this agent has any sign of: objects in any tier at start-up, a shard
-        #: committed here, a peer's commit record. A step reaches disk or S3 only after it was committed in
-        #: some node's memory, and every live node is sent every commit record, so no tier can hold a newer
-        #: step of a job this agent has seen (unless it was cut off from its peers meanwhile)
-        self._seen_newest: dict[str, int] = {}
-        self._lower_known = False
         #: copies of local shards to peers still under way, per step (``wait`` waits for them too)
         self._copies: dict[tuple[str, int], set[asyncio.Future]] = {}
         self._queues: dict[str, asyncio.Queue] = {}
@@ -159,8 +124,6 @@ class Agent:
         self._stop: asyncio.Event | None = None
         self._lock_fd: int | None = None
         self._server: asyncio.AbstractServer | None = None
-        self.stats = {"saves": 0, "bytes_in": 0, "drained": {t.name: 0 for t in self.lower}, "replicated_bytes": 0}
-        self.me = settings.node_rank
         self.members: Membership | None = None
         self.peer_tiers: dict[int, Tier] = {}
         self.peer_server = None
@@ -214,10 +177,11 @@ class Agent:
         self._pull_pool = concurrent.futures.ThreadPoolExecutor(8, thread_name_prefix="tierckpt-pull")
         self._links = {n.rank: PeerLink(n.addr, secret=self._secret, node=self.me, timeout=s.peer_timeout,
                                         ssl_context=self._client_ssl) for n in nodes if n.rank != self.me}
-        self.dis = Disseminator(self.me, alive=self.members.alive, post=self._post, on_rows=self._take_rows,
-                                on_manifest=self._receive_manifest, on_view=self._adopt_view,
+        self.dis = Disseminator(self.me, alive=self.members.alive, post=self._post, on_rows=self.book.take_rows,
+                                on_manifest=self.book.receive_manifest, on_view=self._adopt_view,
                                 on_report=self.members.mark, dead=self.members.dead, fanout=s.fanout,
                                 resend_after=s.peer_timeout, retry_after=s.heartbeat)
+        self.book.tree = self.dis
         self.peer_server = PeerServer(
             self.memory, host=mine.host, port=mine.port, secret=self._secret, node=self.me, ssl_context=server_ssl,
             extra_routes=[("POST", "/v1/up", self._tree_route(self.dis.handle_up)),
@@ -295,11 +259,11 @@ class Agent:
         if self._server:
             self._server.close()
         deadline = time.monotonic() + self.settings.grace
-        while any(self._draining.values()) or any(not q.empty() for q in self._queues.values()):
+        while any(self.book.draining.values()) or any(not q.empty() for q in self._queues.values()):
             if time.monotonic() > deadline:
                 break
             await asyncio.sleep(0.05)
-        abandoned = {f"{j}/step-{s}": sorted(t) for (j, s), t in self._draining.items() if t}
+        abandoned = {f"{j}/step-{s}": sorted(t) for (j, s), t in self.book.draining.items() if t}
         for w in self._workers + self._tasks:
             w.cancel()
         if self.dis is not None:
@@ -331,7 +295,7 @@ class Agent:
     async def _idle_watch(self) -> None:
         while True:
             await asyncio.sleep(0.5)
-            busy = self._conns or any(self._draining.values()) or any(not q.empty() for q in self._queues.values())
+            busy = self._conns or any(self.book.draining.values()) or any(not q.empty() for q in self._queues.values())
             if busy:
                 self._last_activity = time.monotonic()
             elif time.monotonic() - self._last_activity > self.idle_exit:
@@ -355,8 +319,8 @@ class Agent:
         for linv in [inv, *lower.values()]:
             for job, steps in linv.steps.items():
                 if steps:
-                    self._seen(job, max(steps))
-        self._lower_known = all(linv.error is None for linv in lower.values())
+                    self.book.seen(job, max(steps))
+        self.book.lower_known = all(linv.error is None for linv in lower.values())
         for job, steps in inv.steps.items():
             for step, st in sorted(steps.items()):
                 if st.manifest is None:
@@ -429,11 +393,6 @@ class Agent:
         writer.write(json.dumps(resp, separators=(",", ":")).encode() + b"\n")
         await writer.drain()
 
-    def _take_errors(self, job: str | None) -> list[str]:
-        if job is None:
-            return []
-        return self._errors.pop(job, [])
-
     async def _op_hello(self, conn: _Conn, req: dict) -> dict:
         return {"version": PROTOCOL_VERSION, "pid": os.getpid(), "embedded": self.embedded,
                 "settings": self.settings.to_dict()}
@@ -459,18 +418,18 @@ class Agent:
                     self._leases.discard(slot)
                     conn.leases.discard(slot)
                     raise
-                return {"slot": slot, "errors": self._take_errors(job)}
+                return {"slot": slot, "errors": self.book.take_errors(job)}
             await self._trim_memory(job)
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                busy = sorted(f"step {s} ({', '.join(sorted(t))})" for (j, s), t in self._draining.items()
+                busy = sorted(f"step {s} ({', '.join(sorted(t))})" for (j, s), t in self.book.draining.items()
                               if j == job and t)
                 why = (f"no free staging slot for {job} rank {rank}: "
                        f"{'still draining: ' + '; '.join(busy) if busy else 'every slot holds a retained step'}"
                        f"; save skipped (raise keep_memory or drain faster)")
                 if wait:
                     log.warning(why)
-                return {"skip": why, "errors": self._take_errors(job)}
+                return {"skip": why, "errors": self.book.take_errors(job)}
             async with self._slot_cond:
                 with contextlib.suppress(asyncio.TimeoutError):
                     await asyncio.wait_for(self._slot_cond.wait(), timeout=min(remaining, 1.0))
@@ -511,106 +470,24 @@ class Agent:
             raise RequestError(f"slot {slot} is not leased to this trainer (call begin first)")
         if os.path.getsize(slot) != nbytes:
             raise RequestError(f"slot holds {os.path.getsize(slot)} bytes, commit says {nbytes}")
-        layout, values = await self._commit_layout(job, rank, nbytes, req)
+        layout, values = await self.layouts.commit(job, rank, nbytes, req)
         if not isinstance(req.get("metadata", {}), dict):
             raise RequestError("metadata must be a JSON object")
-        key = (job, step)
-        self._seen(job, step)
-        pend = self._pending.get(key)
-        if pend is None:
-            if (job, step) in self._settled and self._settled[key].is_set():
-                raise RequestError(f"step {step} of {job} is already committed")
-            pend = self._pending[key] = _Pending(world, int(req.get("save_index", step)), req.get("metadata") or {})
-            self._settled.setdefault(key, asyncio.Event())
-        if pend.world != world:
-            raise RequestError(f"rank {rank} says world {world}, an earlier rank said {pend.world}")
-        if rank in pend.sizes:
-            raise RequestError(f"rank {rank} already committed step {step} of {job}")
+        row = Row(job, step, rank, world, nbytes, layout.digest, values, int(req.get("save_index", step)),
+                  req.get("metadata") or {}, self.me)
+        pend = self.book.admit(row, local=True)
         await asyncio.to_thread(self.memory.adopt, keys.shard_key(job, step, rank), slot)
         owner.leases.discard(slot)
         self._leases.discard(slot)
         self._lease_conn.pop(slot, None)
-        pend.sizes[rank] = nbytes
-        pend.entries[rank] = values
-        pend.layouts[rank] = layout.digest
-        pend.nodes[rank] = self.me
-        pend.checksums[rank] = asyncio.ensure_future(asyncio.to_thread(checksum_file, slot, nbytes))
+        self.book.record(pend, row, asyncio.ensure_future(asyncio.to_thread(checksum_file, slot, nbytes)), local=True)
         self.stats["bytes_in"] += nbytes
         if self.members is not None:
-            # the rows go up the commit tree; its root builds the manifest
             asyncio.create_task(self._share(job, step, rank, world, nbytes, pend))
-        elif len(pend.sizes) == world and not pend.finishing:
-            pend.finishing = True
-            asyncio.create_task(self._finish_step(job, step, pend))
-        return {"errors": self._take_errors(job)}
-
-    async def _commit_layout(self, job: str, rank: int, nbytes: int, req: dict) -> tuple[Layout, tuple]:
-        """The committing rank's layout and JSON values.
-
-        A trainer sends its layout's entries when the layout is new (or changed) and names it by digest
-        (``layout``) otherwise; ``values`` are its JSON values as ``[[name, value], ...]``. Entries that mix
-        tensor chunks and JSON values (``{"kind": "json"}``) are read too. A new layout is checked against
-        the shard, stored once in the memory tier and named by digest from then on. Raises
-        UnknownLayoutError for a digest this agent does not hold, so the trainer sends the entries.
-        """
-        where = f"rank {rank} layout"
-        values: list = []
-        entries = req.get("entries")
-        digest = req.get("layout")
-        if entries is not None:
-            parsed = validate_layout(entries, nbytes, where)
-            layout = Layout(tuple(e for e in parsed if isinstance(e, TensorChunk)))
-            values = [e for e in parsed if isinstance(e, JsonEntry)]
-            if digest is not None and digest != layout.digest:
-                raise RequestError(f"{where}: the entries sent have digest {layout.digest}, the commit names {digest}")
-        else:
-            if not isinstance(digest, str):
-                raise RequestError("a commit needs its layout: 'entries', or 'layout' (a digest) sent before")
-            keys.check_digest(digest)
-            layout = self._layouts.get((job, digest))
-            if layout is None:
-                try:
-                    data = await asyncio.to_thread(self.memory.get, keys.layout_key(job, digest))
-                    layout = Layout.from_bytes(data, digest)
-                except (KeyNotFoundError, ManifestError) as e:
-                    raise UnknownLayoutError(f"layout {digest} of {job} is not held by this agent ({e}): "
-                                             "send its entries") from e
-        raw = req.get("values") or []
-        if not isinstance(raw, list) or not all(isinstance(v, list) and len(v) == 2 and isinstance(v[0], str)
-                                                for v in raw):
-            raise RequestError("values must be a list of [name, value]")
-        values += [JsonEntry(n, v) for n, v in raw]
-        names = [c.name for c in layout.chunks] + [v.name for v in values]
-        if len(set(names)) != len(names):
-            raise RequestError(f"{where}: a name appears twice among the tensors and values")
-        try:
-            layout.check_fits(nbytes, f"rank {rank}")
-        except ManifestError as e:
-            raise RequestError(str(e)) from e
-        if (job, layout.digest) not in self._layouts:
-            if len(self._layouts) > 4096:  # a job that changes layouts all the time: forget the oldest
-                self._layouts.pop(next(iter(self._layouts)))
-            self._layouts[(job, layout.digest)] = layout
-        if ("memory", job, layout.digest) not in self._layout_at:
-            lkey = keys.layout_key(job, layout.digest)
-            if not await asyncio.to_thread(os.path.exists, self.memory.path(lkey)):
-                await asyncio.to_thread(self.memory.put, lkey, layout.to_bytes())
-            self._layout_at.add(("memory", job, layout.digest))
-        return layout, tuple(values)
-
-    async def _ensure_layout(self, place: str, tier: Tier, job: str, digest: str) -> None:
-        """Store the layout object ``digest`` in ``tier`` (``place`` names it) unless it is known to be there."""
-        if (place, job, digest) in self._layout_at:
-            return
-        lkey = keys.layout_key(job, digest)
-        try:
-            await asyncio.to_thread(tier.stat, lkey)
-        except KeyNotFoundError:
-            await asyncio.to_thread(tier.put, lkey, self.memory.path(lkey))
-        self._layout_at.add((place, job, digest))
+        return {"errors": self.book.take_errors(job)}
 
     # ------------------------------------------------------------------ peers
-    async def _share(self, job: str, step: int, rank: int, world: int, nbytes: int, pend: _Pending) -> None:
+    async def _share(self, job: str, step: int, rank: int, world: int, nbytes: int, pend: Pending) -> None:
         """Tell every live peer about a local shard (for its manifest), and copy it to its placement targets."""
         key = keys.shard_key(job, step, rank)
         path = self.memory.path(key)
@@ -705,7 +582,7 @@ class Agent:
 
         Concurrent callers for the same copy share one transfer and all wait for it, so no shard that names
         the layout reaches ``r`` before the layout does."""
-        if (f"node-{r}", job, digest) in self._layout_at:
+        if self.layouts.held(f"node-{r}", job, digest):
             return True
         k = (r, job, digest)
         fut = self._layout_pushes.get(k)
@@ -722,7 +599,7 @@ class Agent:
             self._peer_error(r, e)
             return False
         if await self._push(r, lkey, data, len(data)):
-            self._layout_at.add((f"node-{r}", job, digest))
+            self.layouts.mark(f"node-{r}", job, digest)
             return True
         return False
 
@@ -749,66 +626,6 @@ class Agent:
         except ConnectionError as e:
             self._peer_error(r, e)
             raise
-
-    async def _take_rows(self, rows: list[dict]) -> None:
-        """The commit tree's root takes commit rows (its own node's and every other's): one intake for all.
-        A step whose ``world`` rows are all here gets its manifest built, committed here and sent down."""
-        for rec in rows:
-            try:
-                job = keys.check_job(rec["job"])
-                step = keys.check_step(rec["step"])
-                rank = keys.check_rank(rec["rank"])
-                world, nbytes, node = int(rec["world"]), int(rec["nbytes"]), int(rec["node"])
-                if not 0 <= rank < world or nbytes < 0 or not isinstance(rec["checksum"], str):
-                    raise RequestError("rank, world, nbytes or checksum out of range")
-                digest = keys.check_digest(rec["layout"])
-                raw = rec.get("values") or []
-                if not isinstance(raw, list) or not all(isinstance(v, list) and len(v) == 2
-                                                        and isinstance(v[0], str) for v in raw):
-                    raise RequestError("values must be a list of [name, value]")
-                values = tuple(JsonEntry(n, v) for n, v in raw)
-                metadata = rec.get("metadata") or {}
-                if not isinstance(metadata, dict):
-                    raise RequestError("metadata must be a JSON object")
-                save_index = int(rec.get("save_index", step))
-            except (ValueError, KeyError, TypeError) as e:
-                log.warning("commit row dropped: %s", e)
-                continue
-            key = (job, step)
-            self._seen(job, step)
-            if os.path.exists(self.memory.path(keys.manifest_key(job, step))) and key not in self._pending:
-                continue  # committed here already
-            pend = self._pending.get(key)
-            if pend is None:
-                pend = self._pending[key] = _Pending(world, save_index, metadata)
-                self._settled.setdefault(key, asyncio.Event())
-            if pend.world != world:
-                log.warning("%s step %d: rank %d says world %d, an earlier rank said %d: row dropped",
-                            job, step, rank, world, pend.world)
-                continue
-            if rank not in pend.sizes:
-                pend.sizes[rank] = nbytes
-                pend.entries[rank] = values
-                pend.layouts[rank] = digest
-                pend.nodes[rank] = node
-                fut = asyncio.get_running_loop().create_future()
-                fut.set_result(rec["checksum"])
-                pend.checksums[rank] = fut
-            if len(pend.sizes) == world and not pend.finishing:
-                pend.finishing = True
-                asyncio.create_task(self._finish_step(job, step, pend))
-
-    async def _receive_manifest(self, job: object, step: object, data: bytes) -> bool:
-        """A manifest the commit tree's root built: verify it and commit the step here. True if new here."""
-        try:
-            m = Manifest.from_bytes(data)
-        except ManifestError as e:
-            log.warning("a manifest sent down the commit tree was refused: %s", e)
-            return False
-        if os.path.exists(self.memory.path(keys.manifest_key(m.job, m.step))):
-            self.dis.committed(m.job, m.step, data)
-            return False
-        return await self._commit_manifest(m, data)
 
     def _adopt_view(self, view: View) -> None:
         """The root's view of who is dead: adopt it for the nodes this node does not watch."""
@@ -1008,7 +825,7 @@ class Agent:
 
             await asyncio.gather(*(beat(r) for r in sorted(self.members.watched)))
             for r in self.members.sweep():
-                self._layout_at = {p for p in self._layout_at if p[0] != f"node-{r}"}
+                self.layouts.forget_place(f"node-{r}")
                 log.warning("node %d (%s) declared dead: silent for %.1f s", r, self.members.nodes[r].addr,
                             self.settings.dead_after)
                 self.dis.report("dead", r)
@@ -1063,7 +880,7 @@ class Agent:
         made = 0
         for job, steps in inv.steps.items():
             for step, st in sorted(steps.items()):
-                if st.manifest is None or (job, step) in self._pending:
+                if st.manifest is None or (job, step) in self.book.pending:
                     continue
                 mkey = keys.manifest_key(job, step)
                 for sh in st.manifest.shards:
@@ -1079,7 +896,7 @@ class Agent:
                         if r not in held or key in held[r]:
                             continue
                         if sh.layout and keys.layout_key(job, sh.layout) not in held[r]:
-                            self._layout_at.discard((f"node-{r}", job, sh.layout))  # it came back empty
+                            self.layouts.forget(f"node-{r}", job, sh.layout)  # it came back empty
                             if not await self._push_layout(r, job, sh.layout):
                                 continue
                             held[r].add(keys.layout_key(job, sh.layout))
@@ -1212,7 +1029,7 @@ class Agent:
                 self.prefetch["errors"].append(f"{lkey} from node {r}: {e}")
                 continue
             await asyncio.to_thread(self.memory.put, lkey, data)
-            self._layout_at.add(("memory", job, digest))
+            self.layouts.mark("memory", job, digest)
             return True
         return False
 
@@ -1224,52 +1041,15 @@ class Agent:
                 await asyncio.wait_for(self._prefetched.wait(), timeout)
         return dict(self.prefetch)
 
-    async def _finish_step(self, job: str, step: int, pend: _Pending) -> None:
-        """All ``world`` rows are here (a single node, or the commit tree's root): build the manifest,
-        commit it here, and send it down the tree."""
-        key = (job, step)
-        try:
-            shards = []
-            for r in range(pend.world):
-                shards.append(ShardInfo(r, pend.sizes[r], await pend.checksums[r], pend.entries[r],
-                                        pend.nodes.get(r, self.me), pend.layouts[r]))
-            meta = dict(pend.metadata)
-            meta["save_index"] = pend.save_index
-            m = Manifest(job, step, pend.world, tuple(shards), meta, created=pend.created)
-            data = m.to_bytes()
-        except Exception as e:
-            self._error(job, f"step {step} could not be committed to memory: {e}")
-            self._pending.pop(key, None)
-            self._settled.setdefault(key, asyncio.Event()).set()
-            return
-        if await self._commit_manifest(m, data) and self.dis is not None:
-            self.dis.broadcast(data)
-
-    async def _commit_manifest(self, m: Manifest, data: bytes) -> bool:
-        """Commit a step in this node's memory: the manifest written last, then the drains it is due."""
+    async def _after_commit(self, m: Manifest) -> None:
         job, step = m.job, m.step
-        key = (job, step)
-        self._settled.setdefault(key, asyncio.Event())
-        try:
-            await asyncio.to_thread(self.memory.put, keys.manifest_key(job, step), data)
-        except Exception as e:
-            self._error(job, f"step {step} could not be committed to memory: {e}")
-            self._pending.pop(key, None)
-            self._settled[key].set()
-            return False
-        self._pending.pop(key, None)
-        self._seen(job, step)
-        self.stats["saves"] += 1
-        if self.dis is not None:
-            self.dis.committed(job, step, data)
         targets = self._targets(int(m.metadata.get("save_index", step)))
         for t in targets:
             self._enqueue(t, job, step)
         if not targets:
-            self._settled[key].set()
+            self.book.settle(job, step)
         await self._trim_memory(job)
         await self._trim_layouts(self.memory, job)
-        return True
 
     def _targets(self, save_index: int) -> list[Tier]:
         out = []
@@ -1280,13 +1060,9 @@ class Agent:
         return out
 
     def _enqueue(self, tier: Tier, job: str, step: int) -> None:
-        self._draining.setdefault((job, step), set()).add(tier.name)
-        self._settled.setdefault((job, step), asyncio.Event())
+        self.book.draining.setdefault((job, step), set()).add(tier.name)
+        self.book.settled.setdefault((job, step), asyncio.Event())
         self._queues[tier.name].put_nowait((job, step))
-
-    def _error(self, job: str, msg: str) -> None:
-        log.error("%s: %s", job, msg)
-        self._errors.setdefault(job, []).append(msg)
 
     # ------------------------------------------------------------------ drain
     async def _drain_worker(self, tier: Tier) -> None:
@@ -1305,7 +1081,7 @@ class Agent:
             except asyncio.CancelledError:
                 raise
             except Exception as e:
-                self._error(job, f"step {step} could not be written to the {tier.name} tier "
+                self.book.error(job, f"step {step} could not be written to the {tier.name} tier "
                                  f"({tier.describe()}): {e}")
             finally:
                 self._drained(tier, job, step)
@@ -1316,14 +1092,12 @@ class Agent:
                 await self._trim_layouts(tier, job)
 
     def _drained(self, tier: Tier, job: str, step: int) -> None:
-        left = self._draining.get((job, step))
+        left = self.book.draining.get((job, step))
         if left is not None:
             left.discard(tier.name)
             if not left:
-                del self._draining[(job, step)]
-                ev = self._settled.get((job, step))
-                if ev:
-                    ev.set()
+                del self.book.draining[(job, step)]
+                self.book.settle(job, step)
 
     async def _drain_step(self, tier: Tier, job: str, step: int) -> None:
         mkey = keys.manifest_key(job, step)
@@ -1344,7 +1118,7 @@ class Agent:
             return  # this node took no shard of the step from a trainer: nothing of it is this node's to write
         # layouts first (once per tier), then shards, then the manifest: what a manifest names is always there
         for digest in sorted({s.layout for s in mine if s.layout}):
-            await self._ensure_layout(tier.name, tier, job, digest)
+            await self.layouts.ensure(tier.name, tier, job, digest)
         await asyncio.gather(*(one(s.rank, s.size) for s in mine))
         nbytes = sum(s.size for s in mine)
         if tier is self.s3 and len(mine) < len(m.shards):
@@ -1376,7 +1150,7 @@ class Agent:
         committed = sorted(s for s, st in steps.items() if st.committed)
         drop = set(committed[:-keep]) if len(committed) > keep else set()
         drop |= inv.stale_steps(job)
-        drop = {s for s in drop if tier.name not in self._draining.get((job, s), set())}
+        drop = {s for s in drop if tier.name not in self.book.draining.get((job, s), set())}
         for s in sorted(drop):
             await asyncio.to_thread(self._delete_step, tier, job, s)
             log.info("%s step %d removed from %s (retention keeps %d)", job, s, tier.name, keep)
@@ -1389,66 +1163,21 @@ class Agent:
         drop = set(committed[:-keep]) if len(committed) > keep else set()
         # steps without a manifest older than the newest committed one will never be committed here
         drop |= inv.stale_steps(job)
-        drop = {s for s in drop if not self._draining.get((job, s))}
+        drop = {s for s in drop if not self.book.draining.get((job, s))}
         if not drop:
             return
         for s in sorted(drop):
-            pend = self._pending.pop((job, s), None)
-            if pend is not None:
-                log.warning("%s step %d abandoned: only ranks %s of %d committed it", job, s,
-                            sorted(pend.sizes), pend.world)
-                ev = self._settled.get((job, s))
-                if ev:
-                    ev.set()
+            self.book.abandon(job, s)
             await asyncio.to_thread(self._delete_step, self.memory, job, s)
         async with self._slot_cond:
             self._slot_cond.notify_all()
 
     async def _trim_layouts(self, tier: Tier, job: str) -> None:
-        """Delete the layout objects of ``job`` in a tier only this node writes (its memory or disk) that no
-        manifest there names and no step being committed uses, once older than ``layout_grace`` seconds (a
-        layout is stored before the manifest that names it). The shared S3 prefix keeps its layouts: another
-        node may be writing a step that names one; ``ckpt gc --all`` removes them with the job."""
-        last = self._layouts_trimmed.get((tier.name, job), 0.0)
-        if time.monotonic() - last < min(60.0, self.settings.layout_grace):
-            return  # at most once a minute: layouts change rarely, and this reads every manifest of the job
-        self._layouts_trimmed[(tier.name, job)] = time.monotonic()
-        using = {d for (j, _), p in self._pending.items() if j == job for d in p.layouts.values()}
-
-        def run() -> list[str]:
-            listed = tier.list(keys.layouts_prefix(job))
-            if not listed:
-                return []
-            inv = scan_tier(tier, job, with_sizes=False)
-            steps = inv.job(job).values()
-            if inv.error is not None or any(st.has_manifest and st.manifest is None for st in steps):
-                return []  # a manifest that cannot be read may name any of them
-            named = using | {d for st in steps if st.manifest is not None for d in st.manifest.layouts}
-            now, dropped = time.time(), []
-            for key in listed:
-                parsed = keys.parse_layout_key(key)
-                if parsed is None or parsed[1] in named:
-                    continue
-                with contextlib.suppress(KeyNotFoundError):
-                    if now - tier.stat(key).mtime > self.settings.layout_grace:
-                        tier.delete(key)
-                        dropped.append(parsed[1])
-            return dropped
-
-        try:
-            dropped = await asyncio.to_thread(run)
-        except (TierError, OSError) as e:
-            log.warning("%s: layouts in the %s tier not trimmed: %s", job, tier.name, e)
-            return
-        place = "memory" if tier is self.memory else tier.name
-        for d in dropped:
-            self._layout_at.discard((place, job, d))
-            self._layouts.pop((job, d), None)
-        if dropped:
-            log.info("%s: %d layouts no retained step names removed from %s", job, len(dropped), tier.name)
+        using = {d for (j, _), p in self.book.pending.items() if j == job for d in p.layouts.values()}
+        await self.layouts.trim(tier, job, using)
 
     async def _trim_all(self) -> None:
-        for job in {k[0] for k in self._draining} | set((await asyncio.to_thread(scan_tier, self.memory)).steps):
+        for job in {k[0] for k in self.book.draining} | set((await asyncio.to_thread(scan_tier, self.memory)).steps):
             await self._trim_memory(job)
 
     # ------------------------------------------------------------------ other ops
@@ -1457,10 +1186,10 @@ class Agent:
         step = req.get("step")
         timeout = float(req.get("timeout") or 3600)
         if step is None:
-            evs = [ev for (j, _), ev in self._settled.items() if j == job]
+            evs = [ev for (j, _), ev in self.book.settled.items() if j == job]
             copies = [f for (j, _), fs in self._copies.items() if j == job for f in fs]
         else:
-            evs = [self._settled[(job, keys.check_step(step))]] if (job, step) in self._settled else []
+            evs = [self.book.settled[(job, keys.check_step(step))]] if (job, step) in self.book.settled else []
             copies = list(self._copies.get((job, step), ()))
         try:
             # written to every tier, and copied to the peers placement names (a failed copy is reported by
@@ -1469,18 +1198,14 @@ class Agent:
             done = True
         except asyncio.TimeoutError:
             done = False
-        return {"done": done, "errors": self._take_errors(job)}
-
-    def _seen(self, job: str, step: int) -> None:
-        if step > self._seen_newest.get(job, -1):
-            self._seen_newest[job] = step
+        return {"done": done, "errors": self.book.take_errors(job)}
 
     async def _op_lower(self, conn: _Conn, req: dict) -> dict:
         """The newest step of ``job`` that any tier could hold, as far as this agent knows: ``known`` is
         False when the agent never saw the job or could not list every lower tier at start-up."""
         job = keys.check_job(req["job"])
-        newest = self._seen_newest.get(job)
-        return {"known": self._lower_known and newest is not None, "newest": newest}
+        newest = self.book.newest(job)
+        return {"known": self.book.lower_known and newest is not None, "newest": newest}
 
     async def _op_rewind(self, conn: _Conn, req: dict) -> dict:
         """The job resumed from ``step``: its later steps here belong to the run that failed; drop them.
@@ -1496,17 +1221,14 @@ class Agent:
             raise RequestError(f"step must be >= -1, got {step}")
         inv = await asyncio.to_thread(scan_tier, self.memory, job, with_sizes=False)
         later = {s for s in inv.job(job) if s > step}
-        later |= {s for (j, s) in list(self._pending) + list(self._settled) if j == job and s > step}
-        waits = [self._settled[(job, s)].wait() for s in later if (job, s) in self._draining]
+        later |= {s for (j, s) in list(self.book.pending) + list(self.book.settled) if j == job and s > step}
+        waits = [self.book.settled[(job, s)].wait() for s in later if (job, s) in self.book.draining]
         waits += [f for s in later for f in self._copies.get((job, s), ())]
         if waits:
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(asyncio.gather(*waits, return_exceptions=True), self.settings.grace)
         for s in sorted(later):
-            self._pending.pop((job, s), None)
-            ev = self._settled.pop((job, s), None)
-            if ev is not None:
-                ev.set()
+            self.book.forget(job, s)
             await asyncio.to_thread(self._delete_step, self.memory, job, s)
         if later:
             log.info("%s resumed from step %d: dropped later steps %s from memory", job, step, sorted(later))
@@ -1515,16 +1237,16 @@ class Agent:
         return {"dropped": sorted(later)}
 
     async def _op_errors(self, conn: _Conn, req: dict) -> dict:
-        return {"errors": self._take_errors(keys.check_job(req["job"]))}
+        return {"errors": self.book.take_errors(keys.check_job(req["job"]))}
 
     async def _op_status(self, conn: _Conn, req: dict) -> dict:
         return {
             "pid": os.getpid(), "embedded": self.embedded, "connections": len(self._conns),
-            "pending": [f"{j}/step-{s}: ranks {sorted(p.sizes)} of {p.world}" for (j, s), p in self._pending.items()],
-            "draining": {f"{j}/step-{s}": sorted(t) for (j, s), t in self._draining.items()},
+            "pending": [f"{j}/step-{s}: ranks {sorted(p.sizes)} of {p.world}" for (j, s), p in self.book.pending.items()],
+            "draining": {f"{j}/step-{s}": sorted(t) for (j, s), t in self.book.draining.items()},
             "queued": {n: q.qsize() for n, q in self._queues.items()},
             "inflight_bytes": self._budget.used if self._budget else 0,
-            "errors": {j: len(e) for j, e in self._errors.items()},
+            "errors": self.book.error_counts(),
             "stats": self.stats, "settings": self.settings.to_dict(),
             "node": self.me, "peers": self._peer_status(), "prefetch": self.prefetch, "tree": self._tree_status(),
         }
@@ -1555,7 +1277,7 @@ class Agent:
         job = keys.check_job(req["job"])
         step = keys.check_step(req["step"])
         names = req.get("tiers") or ["memory"] + [t.name for t in self.lower]
-        if self._draining.get((job, step)) or (job, step) in self._pending:
+        if self.book.draining.get((job, step)) or (job, step) in self.book.pending:
             raise RequestError(f"step {step} of {job} is being written; wait for it first")
         for t in [self.memory] + self.lower:
             if t.name in names:

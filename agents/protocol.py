@@ -32,7 +32,8 @@ import socket
 import threading
 from typing import Any
 
-__all__ = ["PROTOCOL_VERSION", "MAX_LINE", "AgentError", "AgentUnreachableError", "AgentClient"]
+__all__ = ["PROTOCOL_VERSION", "MAX_LINE", "AgentError", "AgentUnreachableError", "AgentClient", "RequestError",
+           "UnknownLayoutError"]
 
 PROTOCOL_VERSION = 1
 MAX_LINE = 64 << 20
@@ -48,6 +49,14 @@ class AgentError(RuntimeError):
 
 class AgentUnreachableError(ConnectionError):
     """No agent answers on the socket."""
+
+
+class RequestError(ValueError):
+    """The agent's side: a request is malformed or not allowed; answered to the client, never fatal."""
+
+
+class UnknownLayoutError(RequestError):
+    """A commit names a layout by digest that this agent does not hold: the trainer sends its entries again."""
 
 
 def _connect(path: str, timeout: float | None) -> socket.socket:

@@ -1,0 +1,283 @@
+"""The step book: what this agent knows of each step, from the first rank's commit to its last write.
+
+A step's life here::
+
+    admit / record   a rank's commit row arrives — from a trainer on this node (its shard is in the
+                     memory folder) or from a peer up the commit tree (only its size and checksum);
+                     both take the same path into the step's :class:`Pending` entry
+    finish           all ``world`` rows are here (a single node, or the commit tree's root): build the
+                     manifest from them
+    commit_manifest  write it to memory last (the step is complete in this node's memory), then hand
+                     it to ``on_commit`` (the drains it is due, retention)
+    draining         the tiers it is being written to (agents.drain); ``settled`` is set once every
+                     write finished (or failed, or the step was abandoned)
+
+A node that is not the commit tree's root gets the manifest from its parent
+(:meth:`StepBook.receive_manifest`) and commits it the same way. The book also
+keeps, per job, the newest step it has any sign of, and the background errors
+to hand to the job's trainers, once, in the answer to their next request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+
+from tiers import keys
+from tiers.errors import ManifestError
+from tiers.manifest import JsonEntry, Manifest, ShardInfo
+from tiers.memory import MemoryTier
+
+from .layouts import parse_values
+from .protocol import RequestError
+
+__all__ = ["Pending", "Row", "StepBook"]
+
+log = logging.getLogger("tierckpt.agent")
+
+
+@dataclass
+class Pending:
+    """A step some ranks have committed: per-rank layouts and checksums as they arrive."""
+
+    world: int
+    save_index: int
+    metadata: dict
+    sizes: dict[int, int] = field(default_factory=dict)
+    #: each rank's JSON values, parsed and checked once when they arrive
+    entries: dict[int, tuple] = field(default_factory=dict)
+    #: each rank's layout digest
+    layouts: dict[int, str] = field(default_factory=dict)
+    checksums: dict[int, asyncio.Future] = field(default_factory=dict)
+    nodes: dict[int, int] = field(default_factory=dict)
+    created: float = field(default_factory=time.time)
+    #: the manifest is being built (all ``world`` rows are here)
+    finishing: bool = False
+
+
+@dataclass(frozen=True)
+class Row:
+    """One rank's commit row for one step: what the manifest needs of its shard but the checksum."""
+
+    job: str
+    step: int
+    rank: int
+    world: int
+    nbytes: int
+    #: the digest of the rank's layout
+    layout: str
+    values: tuple[JsonEntry, ...]
+    save_index: int
+    metadata: dict
+    #: the node whose memory took the shard from its trainer
+    node: int
+
+    @classmethod
+    def parse(cls, rec: dict) -> tuple["Row", str]:
+        """A row sent up the commit tree and its checksum; ValueError, KeyError or TypeError if malformed."""
+        job = keys.check_job(rec["job"])
+        step = keys.check_step(rec["step"])
+        rank = keys.check_rank(rec["rank"])
+        world, nbytes, node = int(rec["world"]), int(rec["nbytes"]), int(rec["node"])
+        if not 0 <= rank < world or nbytes < 0 or not isinstance(rec["checksum"], str):
+            raise RequestError("rank, world, nbytes or checksum out of range")
+        digest = keys.check_digest(rec["layout"])
+        values = parse_values(rec.get("values"))
+        metadata = rec.get("metadata") or {}
+        if not isinstance(metadata, dict):
+            raise RequestError("metadata must be a JSON object")
+        return cls(job, step, rank, world, nbytes, digest, values, int(rec.get("save_index", step)), metadata,
+                   node), rec["checksum"]
+
+
+class StepBook:
+    """Per-step state of one agent and the one intake for commit rows.
+
+    ``tree`` (the commit tree, set when the node has peers) receives committed manifests and, when set,
+    builds manifests only at its root; ``on_commit`` runs after a step is committed in memory.
+    """
+
+    def __init__(self, memory: MemoryTier, me: int, stats: dict) -> None:
+        self.memory = memory
+        self.me = me
+        self.stats = stats
+        self.tree = None
+        self.on_commit: Callable[[Manifest], Awaitable[None]] | None = None
+        self.pending: dict[tuple[str, int], Pending] = {}
+        self.settled: dict[tuple[str, int], asyncio.Event] = {}
+        #: per step, the lower tiers it is being written to
+        self.draining: dict[tuple[str, int], set[str]] = {}
+        self._errors: dict[str, list[str]] = {}
+        #: per job, the newest step this agent has any sign of: objects in any tier at start-up, a shard
+        #: committed here, a peer's commit record. A step reaches disk or S3 only after it was committed in
+        #: some node's memory, and every live node is sent every commit record, so no tier can hold a newer
+        #: step of a job this agent has seen (unless it was cut off from its peers meanwhile)
+        self._seen_newest: dict[str, int] = {}
+        #: every lower tier could be listed at start-up
+        self.lower_known = False
+
+    # ------------------------------------------------------------------ what is known
+    def seen(self, job: str, step: int) -> None:
+        if step > self._seen_newest.get(job, -1):
+            self._seen_newest[job] = step
+
+    def newest(self, job: str) -> int | None:
+        """The newest step of ``job`` this agent has any sign of (None: never saw the job)."""
+        return self._seen_newest.get(job)
+
+    def error(self, job: str, msg: str) -> None:
+        """Store a background failure for the job's trainers (and log it)."""
+        log.error("%s: %s", job, msg)
+        self._errors.setdefault(job, []).append(msg)
+
+    def take_errors(self, job: str | None) -> list[str]:
+        """The job's stored failures, each handed out once."""
+        if job is None:
+            return []
+        return self._errors.pop(job, [])
+
+    def error_counts(self) -> dict[str, int]:
+        return {j: len(e) for j, e in self._errors.items()}
+
+    def busy(self) -> bool:
+        """Whether any step is being written to a lower tier."""
+        return any(self.draining.values())
+
+    def settle(self, job: str, step: int) -> None:
+        ev = self.settled.get((job, step))
+        if ev:
+            ev.set()
+
+    def abandon(self, job: str, step: int) -> None:
+        """Forget a step some ranks committed that will never be complete here (it is being deleted)."""
+        pend = self.pending.pop((job, step), None)
+        if pend is not None:
+            log.warning("%s step %d abandoned: only ranks %s of %d committed it", job, step,
+                        sorted(pend.sizes), pend.world)
+            self.settle(job, step)
+
+    def forget(self, job: str, step: int) -> None:
+        """Forget a step entirely (the job resumed from an earlier one); whoever waits for it is released."""
+        self.pending.pop((job, step), None)
+        ev = self.settled.pop((job, step), None)
+        if ev is not None:
+            ev.set()
+
+    # ------------------------------------------------------------------ intake
+    def admit(self, row: Row, *, local: bool) -> Pending | None:
+        """First half of the intake: the step's entry for ``row``, created with the first row.
+
+        A trainer's row (``local``) for a step already committed, or for a rank that already committed it,
+        is refused (RequestError). A peer's row is idempotent: one for a step already committed here is
+        ignored (None). A row whose world differs from the step's is refused either way.
+        """
+        key = (row.job, row.step)
+        self.seen(row.job, row.step)
+        pend = self.pending.get(key)
+        if pend is None:
+            if local:
+                if key in self.settled and self.settled[key].is_set():
+                    raise RequestError(f"step {row.step} of {row.job} is already committed")
+            elif os.path.exists(self.memory.path(keys.manifest_key(row.job, row.step))):
+                return None  # committed here already
+            pend = self.pending[key] = Pending(row.world, row.save_index, row.metadata)
+            self.settled.setdefault(key, asyncio.Event())
+        if pend.world != row.world:
+            raise RequestError(f"rank {row.rank} says world {row.world}, an earlier rank said {pend.world}")
+        if local and row.rank in pend.sizes:
+            raise RequestError(f"rank {row.rank} already committed step {row.step} of {row.job}")
+        return pend
+
+    def record(self, pend: Pending, row: Row, checksum: asyncio.Future, *, local: bool) -> None:
+        """Second half: add the row (a rank's first row counts); a step with all ``world`` rows gets its
+        manifest built — here, unless this is a trainer's row and the commit tree's root builds it."""
+        if row.rank not in pend.sizes:
+            pend.sizes[row.rank] = row.nbytes
+            pend.entries[row.rank] = row.values
+            pend.layouts[row.rank] = row.layout
+            pend.nodes[row.rank] = row.node
+            pend.checksums[row.rank] = checksum
+        if local and self.tree is not None:
+            return  # the rows go up the commit tree; its root builds the manifest
+        if len(pend.sizes) == pend.world and not pend.finishing:
+            pend.finishing = True
+            asyncio.create_task(self.finish(row.job, row.step, pend))
+
+    async def take_rows(self, rows: list[dict]) -> None:
+        """The commit tree's root takes commit rows (its own node's and every other's): one intake for all.
+        A step whose ``world`` rows are all here gets its manifest built, committed here and sent down."""
+        loop = asyncio.get_running_loop()
+        for rec in rows:
+            try:
+                row, checksum = Row.parse(rec)
+            except (ValueError, KeyError, TypeError) as e:
+                log.warning("commit row dropped: %s", e)
+                continue
+            try:
+                pend = self.admit(row, local=False)
+            except RequestError as e:
+                log.warning("%s step %d: %s: row dropped", row.job, row.step, e)
+                continue
+            if pend is None:
+                continue
+            fut = loop.create_future()
+            fut.set_result(checksum)
+            self.record(pend, row, fut, local=False)
+
+    # ------------------------------------------------------------------ commit
+    async def finish(self, job: str, step: int, pend: Pending) -> None:
+        """All ``world`` rows are here (a single node, or the commit tree's root): build the manifest,
+        commit it here, and send it down the tree."""
+        key = (job, step)
+        try:
+            shards = []
+            for r in range(pend.world):
+                shards.append(ShardInfo(r, pend.sizes[r], await pend.checksums[r], pend.entries[r],
+                                        pend.nodes.get(r, self.me), pend.layouts[r]))
+            meta = dict(pend.metadata)
+            meta["save_index"] = pend.save_index
+            m = Manifest(job, step, pend.world, tuple(shards), meta, created=pend.created)
+            data = m.to_bytes()
+        except Exception as e:
+            self.error(job, f"step {step} could not be committed to memory: {e}")
+            self.pending.pop(key, None)
+            self.settled.setdefault(key, asyncio.Event()).set()
+            return
+        if await self.commit_manifest(m, data) and self.tree is not None:
+            self.tree.broadcast(data)
+
+    async def receive_manifest(self, job: object, step: object, data: bytes) -> bool:
+        """A manifest the commit tree's root built: verify it and commit the step here. True if new here."""
+        try:
+            m = Manifest.from_bytes(data)
+        except ManifestError as e:
+            log.warning("a manifest sent down the commit tree was refused: %s", e)
+            return False
+        if os.path.exists(self.memory.path(keys.manifest_key(m.job, m.step))):
+            self.tree.committed(m.job, m.step, data)
+            return False
+        return await self.commit_manifest(m, data)
+
+    async def commit_manifest(self, m: Manifest, data: bytes) -> bool:
+        """Commit a step in this node's memory: the manifest written last, then the drains it is due."""
+        job, step = m.job, m.step
+        key = (job, step)
+        self.settled.setdefault(key, asyncio.Event())
+        try:
+            await asyncio.to_thread(self.memory.put, keys.manifest_key(job, step), data)
+        except Exception as e:
+            self.error(job, f"step {step} could not be committed to memory: {e}")
+            self.pending.pop(key, None)
+            self.settled[key].set()
+            return False
+        self.pending.pop(key, None)
+        self.seen(job, step)
+        self.stats["saves"] += 1
+        if self.tree is not None:
+            self.tree.committed(job, step, data)
+        await self.on_commit(m)
+        return True
