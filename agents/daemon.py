@@ -44,6 +44,7 @@ from tiers.layout import Layout
 from tiers.manifest import Manifest, ShardInfo
 
 from .config import Settings
+from .drain import ByteBudget, Drainer, delete_step
 from .layouts import LayoutBook
 from .protocol import MAX_LINE, PROTOCOL_VERSION, RequestError
 from .stepbook import Pending, Row, StepBook
@@ -73,27 +74,6 @@ class _Conn:
     jobs: set[str] = field(default_factory=set)
 
 
-class _ByteBudget:
-    """Bounds shard bytes being drained at once (a shard larger than the bound runs alone)."""
-
-    def __init__(self, limit: int) -> None:
-        self.limit = limit
-        self.used = 0
-        self._cond = asyncio.Condition()
-
-    async def acquire(self, n: int) -> int:
-        n = min(n, self.limit)
-        async with self._cond:
-            await self._cond.wait_for(lambda: self.used + n <= self.limit)
-            self.used += n
-        return n
-
-    async def release(self, n: int) -> None:
-        async with self._cond:
-            self.used -= n
-            self._cond.notify_all()
-
-
 class Agent:
     """One node's checkpoint agent. ``await agent.serve()`` runs it until shutdown."""
 
@@ -109,16 +89,16 @@ class Agent:
         self.me = settings.node_rank
         self.layouts = LayoutBook(self.memory, settings.layout_grace)
         self.book = StepBook(self.memory, self.me, self.stats)
-        self.book.on_commit = self._after_commit
+        self._budget = ByteBudget(settings.max_inflight_bytes)
+        self.drain = Drainer(settings, self.me, self.memory, self.book, self.layouts, self._budget, self.stats,
+                             self._slots_freed)
+        self.book.on_commit = self.drain.committed
         self._layout_pushes: dict[tuple[int, str, str], asyncio.Future] = {}
         self._leases: set[str] = set()
         self._lease_conn: dict[str, _Conn] = {}
         #: copies of local shards to peers still under way, per step (``wait`` waits for them too)
         self._copies: dict[tuple[str, int], set[asyncio.Future]] = {}
-        self._queues: dict[str, asyncio.Queue] = {}
-        self._workers: list[asyncio.Task] = []
         self._slot_cond: asyncio.Condition | None = None
-        self._budget: _ByteBudget | None = None
         self._conns: set[_Conn] = set()
         self._last_activity = time.monotonic()
         self._stop: asyncio.Event | None = None
@@ -210,10 +190,7 @@ class Agent:
         self._take_lock()
         self._stop = asyncio.Event()
         self._slot_cond = asyncio.Condition()
-        self._budget = _ByteBudget(self.settings.max_inflight_bytes)
-        for t in self.lower:
-            self._queues[t.name] = asyncio.Queue()
-            self._workers.append(asyncio.create_task(self._drain_worker(t), name=f"drain-{t.name}"))
+        self.drain.start(self.lower)
         await asyncio.to_thread(self._sweep_temp_files)
         await self._rebuild()
         if self.peer_server is not None:
@@ -259,12 +236,13 @@ class Agent:
         if self._server:
             self._server.close()
         deadline = time.monotonic() + self.settings.grace
-        while any(self.book.draining.values()) or any(not q.empty() for q in self._queues.values()):
+        while self.drain.busy():
             if time.monotonic() > deadline:
                 break
             await asyncio.sleep(0.05)
         abandoned = {f"{j}/step-{s}": sorted(t) for (j, s), t in self.book.draining.items() if t}
-        for w in self._workers + self._tasks:
+        self.drain.stop()
+        for w in self._tasks:
             w.cancel()
         if self.dis is not None:
             await self.dis.stop()
@@ -295,7 +273,7 @@ class Agent:
     async def _idle_watch(self) -> None:
         while True:
             await asyncio.sleep(0.5)
-            busy = self._conns or any(self.book.draining.values()) or any(not q.empty() for q in self._queues.values())
+            busy = self._conns or self.drain.busy()
             if busy:
                 self._last_activity = time.monotonic()
             elif time.monotonic() - self._last_activity > self.idle_exit:
@@ -326,18 +304,18 @@ class Agent:
                 if st.manifest is None:
                     log.info("dropping %s step %d from memory: it was never completed (%s)",
                              job, step, st.problem or "no manifest")
-                    await asyncio.to_thread(self._delete_step, self.memory, job, step)
+                    await asyncio.to_thread(delete_step, self.memory, job, step)
                     continue
                 mine = [sh for sh in st.manifest.shards if sh.node == self.me]
                 if any(st.shards.get(sh.rank) != sh.size for sh in mine):
                     continue
                 save_index = int(st.manifest.metadata.get("save_index", step))
-                for t in self._targets(save_index):
+                for t in self.drain.targets(save_index):
                     have = lower[t.name].job(job).get(step)
                     if lower[t.name].error is None and (have is None or not have.complete):
                         log.info("re-queueing %s step %d for the %s tier (interrupted before)", job, step, t.name)
-                        self._enqueue(t, job, step)
-        await self._trim_all()
+                        self.drain.enqueue(t, job, step)
+        await self.drain.trim_all()
 
     # ------------------------------------------------------------------ requests
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -419,7 +397,7 @@ class Agent:
                     conn.leases.discard(slot)
                     raise
                 return {"slot": slot, "errors": self.book.take_errors(job)}
-            await self._trim_memory(job)
+            await self.drain.trim(self.memory, job, layouts=False)
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 busy = sorted(f"step {s} ({', '.join(sorted(t))})" for (j, s), t in self.book.draining.items()
@@ -433,6 +411,10 @@ class Agent:
             async with self._slot_cond:
                 with contextlib.suppress(asyncio.TimeoutError):
                     await asyncio.wait_for(self._slot_cond.wait(), timeout=min(remaining, 1.0))
+
+    async def _slots_freed(self) -> None:
+        async with self._slot_cond:
+            self._slot_cond.notify_all()
 
     def _free_slot(self, job: str, rank: int) -> str | None:
         slots = self.memory.slots(job, rank)
@@ -800,7 +782,7 @@ class Agent:
     def _metrics(self) -> dict[str, float]:
         out = {"tierckpt_saves_total": self.stats["saves"], "tierckpt_bytes_in_total": self.stats["bytes_in"],
                "tierckpt_replicated_bytes_total": self.stats["replicated_bytes"],
-               "tierckpt_inflight_bytes": self._budget.used if self._budget else 0}
+               "tierckpt_inflight_bytes": self._budget.used}
         if self.members is not None:
             out["tierckpt_peers_alive"] = len(self.members.alive()) - 1
         return out
@@ -1041,145 +1023,6 @@ class Agent:
                 await asyncio.wait_for(self._prefetched.wait(), timeout)
         return dict(self.prefetch)
 
-    async def _after_commit(self, m: Manifest) -> None:
-        job, step = m.job, m.step
-        targets = self._targets(int(m.metadata.get("save_index", step)))
-        for t in targets:
-            self._enqueue(t, job, step)
-        if not targets:
-            self.book.settle(job, step)
-        await self._trim_memory(job)
-        await self._trim_layouts(self.memory, job)
-
-    def _targets(self, save_index: int) -> list[Tier]:
-        out = []
-        if self.disk is not None and save_index % self.settings.disk_every == 0:
-            out.append(self.disk)
-        if self.s3 is not None and save_index % self.settings.s3_every == 0:
-            out.append(self.s3)
-        return out
-
-    def _enqueue(self, tier: Tier, job: str, step: int) -> None:
-        self.book.draining.setdefault((job, step), set()).add(tier.name)
-        self.book.settled.setdefault((job, step), asyncio.Event())
-        self._queues[tier.name].put_nowait((job, step))
-
-    # ------------------------------------------------------------------ drain
-    async def _drain_worker(self, tier: Tier) -> None:
-        q = self._queues[tier.name]
-        while True:
-            job, step = await q.get()
-            # a newer step of the same job already waiting supersedes this one for this tier
-            newer = [s for (j, s) in list(q._queue) if j == job and s > step]  # noqa: SLF001
-            if newer:
-                log.info("%s step %d not written to %s: step %d supersedes it", job, step, tier.name, max(newer))
-                self._drained(tier, job, step)
-                continue
-            try:
-                await self._drain_step(tier, job, step)
-                self.stats["drained"][tier.name] += 1
-            except asyncio.CancelledError:
-                raise
-            except Exception as e:
-                self.book.error(job, f"step {step} could not be written to the {tier.name} tier "
-                                 f"({tier.describe()}): {e}")
-            finally:
-                self._drained(tier, job, step)
-            with contextlib.suppress(Exception):
-                await self._trim(tier, job)
-            await self._trim_memory(job)
-            if tier is self.disk:
-                await self._trim_layouts(tier, job)
-
-    def _drained(self, tier: Tier, job: str, step: int) -> None:
-        left = self.book.draining.get((job, step))
-        if left is not None:
-            left.discard(tier.name)
-            if not left:
-                del self.book.draining[(job, step)]
-                self.book.settle(job, step)
-
-    async def _drain_step(self, tier: Tier, job: str, step: int) -> None:
-        mkey = keys.manifest_key(job, step)
-        manifest_bytes = await asyncio.to_thread(self.memory.get, mkey)
-        m = Manifest.from_bytes(manifest_bytes, job=job, step=step)
-        t0 = time.perf_counter()
-
-        async def one(rank: int, size: int) -> None:
-            n = await self._budget.acquire(size)
-            try:
-                src = self.memory.path(keys.shard_key(job, step, rank))
-                await asyncio.to_thread(tier.put, keys.shard_key(job, step, rank), src)
-            finally:
-                await self._budget.release(n)
-
-        mine = [s for s in m.shards if s.node == self.me]
-        if not mine:
-            return  # this node took no shard of the step from a trainer: nothing of it is this node's to write
-        # layouts first (once per tier), then shards, then the manifest: what a manifest names is always there
-        for digest in sorted({s.layout for s in mine if s.layout}):
-            await self.layouts.ensure(tier.name, tier, job, digest)
-        await asyncio.gather(*(one(s.rank, s.size) for s in mine))
-        nbytes = sum(s.size for s in mine)
-        if tier is self.s3 and len(mine) < len(m.shards):
-            # a shared bucket: the manifest goes in once every node's shards are there; the last node to
-            # finish sees them all (S3 lists are strongly consistent) and commits the step
-            present = set(await asyncio.to_thread(tier.list, keys.step_prefix(job, step)))
-            if not all(keys.shard_key(job, step, s.rank) in present for s in m.shards):
-                log.info("%s step %d: this node's shards are in %s; the last node to finish commits it",
-                         job, step, tier.name)
-                return
-        await asyncio.to_thread(tier.put, mkey, manifest_bytes)
-        dt = time.perf_counter() - t0
-        log.info("%s step %d written to %s: %d bytes in %.2f s (%.2f GB/s)", job, step, tier.name,
-                 nbytes, dt, nbytes / dt / 1e9 if dt else 0)
-
-    # ------------------------------------------------------------------ retention
-    def _delete_step(self, tier: Tier, job: str, step: int) -> None:
-        """Manifest first (un-commit), then the shards."""
-        prefix = keys.step_prefix(job, step)
-        tier.delete(keys.manifest_key(job, step))
-        for k in tier.list(prefix):
-            tier.delete(k)
-
-    async def _trim(self, tier: Tier, job: str) -> None:
-        keep = self.settings.keep_disk if tier is self.disk else self.settings.keep_s3
-        inv = await asyncio.to_thread(scan_tier, tier, job, with_sizes=False)
-        steps = inv.job(job)
-        # committed = manifest here, whatever shards this place holds (a node's disk holds its own ranks only)
-        committed = sorted(s for s, st in steps.items() if st.committed)
-        drop = set(committed[:-keep]) if len(committed) > keep else set()
-        drop |= inv.stale_steps(job)
-        drop = {s for s in drop if tier.name not in self.book.draining.get((job, s), set())}
-        for s in sorted(drop):
-            await asyncio.to_thread(self._delete_step, tier, job, s)
-            log.info("%s step %d removed from %s (retention keeps %d)", job, s, tier.name, keep)
-
-    async def _trim_memory(self, job: str) -> None:
-        inv = await asyncio.to_thread(scan_tier, self.memory, job, with_sizes=False)
-        steps = inv.job(job)
-        committed = sorted(s for s, st in steps.items() if st.committed)
-        keep = self.settings.keep_memory
-        drop = set(committed[:-keep]) if len(committed) > keep else set()
-        # steps without a manifest older than the newest committed one will never be committed here
-        drop |= inv.stale_steps(job)
-        drop = {s for s in drop if not self.book.draining.get((job, s))}
-        if not drop:
-            return
-        for s in sorted(drop):
-            self.book.abandon(job, s)
-            await asyncio.to_thread(self._delete_step, self.memory, job, s)
-        async with self._slot_cond:
-            self._slot_cond.notify_all()
-
-    async def _trim_layouts(self, tier: Tier, job: str) -> None:
-        using = {d for (j, _), p in self.book.pending.items() if j == job for d in p.layouts.values()}
-        await self.layouts.trim(tier, job, using)
-
-    async def _trim_all(self) -> None:
-        for job in {k[0] for k in self.book.draining} | set((await asyncio.to_thread(scan_tier, self.memory)).steps):
-            await self._trim_memory(job)
-
     # ------------------------------------------------------------------ other ops
     async def _op_wait(self, conn: _Conn, req: dict) -> dict:
         job = keys.check_job(req["job"])
@@ -1229,7 +1072,7 @@ class Agent:
                 await asyncio.wait_for(asyncio.gather(*waits, return_exceptions=True), self.settings.grace)
         for s in sorted(later):
             self.book.forget(job, s)
-            await asyncio.to_thread(self._delete_step, self.memory, job, s)
+            await asyncio.to_thread(delete_step, self.memory, job, s)
         if later:
             log.info("%s resumed from step %d: dropped later steps %s from memory", job, step, sorted(later))
             async with self._slot_cond:
@@ -1244,8 +1087,8 @@ class Agent:
             "pid": os.getpid(), "embedded": self.embedded, "connections": len(self._conns),
             "pending": [f"{j}/step-{s}: ranks {sorted(p.sizes)} of {p.world}" for (j, s), p in self.book.pending.items()],
             "draining": {f"{j}/step-{s}": sorted(t) for (j, s), t in self.book.draining.items()},
-            "queued": {n: q.qsize() for n, q in self._queues.items()},
-            "inflight_bytes": self._budget.used if self._budget else 0,
+            "queued": self.drain.queued(),
+            "inflight_bytes": self._budget.used,
             "errors": self.book.error_counts(),
             "stats": self.stats, "settings": self.settings.to_dict(),
             "node": self.me, "peers": self._peer_status(), "prefetch": self.prefetch, "tree": self._tree_status(),
@@ -1281,7 +1124,7 @@ class Agent:
             raise RequestError(f"step {step} of {job} is being written; wait for it first")
         for t in [self.memory] + self.lower:
             if t.name in names:
-                await asyncio.to_thread(self._delete_step, t, job, step)
+                await asyncio.to_thread(delete_step, t, job, step)
         async with self._slot_cond:
             self._slot_cond.notify_all()
         return {}

@@ -1,0 +1,237 @@
+"""Write-back and retention: committed steps drain from memory to disk and S3; each tier keeps its newest.
+
+Call order::
+
+    start(lower)          one queue and one worker per lower tier (disk, S3)
+    committed(manifest)   a step was committed in memory (agents.stepbook): queue it for the tiers it
+                          is due (disk every ``disk_every`` saves, S3 every ``s3_every``), then trim memory
+    worker                layouts, then every shard this node took, then the manifest, in each tier;
+                          a newer step of the job already queued supersedes an older one
+    trim(tier, job)       retention, the one routine for memory, disk and S3: keep the newest
+                          ``keep_*`` committed steps, drop stale uncommitted ones, never a step being
+                          written; then the layouts no retained step names (memory and disk only)
+    stop()                cancel the workers (the agent waits up to ``grace`` s for them first)
+
+Shard bytes in flight, here and in replication, are bounded by one
+:class:`ByteBudget` (``max_inflight_bytes``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Awaitable, Callable
+
+from recovery.inventory import scan_tier
+from tiers import keys
+from tiers.base import Tier
+from tiers.manifest import Manifest
+from tiers.memory import MemoryTier
+
+from .config import Settings
+from .layouts import LayoutBook
+from .stepbook import StepBook
+
+__all__ = ["ByteBudget", "Drainer", "delete_step"]
+
+log = logging.getLogger("tierckpt.agent")
+
+
+class ByteBudget:
+    """Bounds shard bytes being drained at once (a shard larger than the bound runs alone)."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.used = 0
+        self._cond = asyncio.Condition()
+
+    async def acquire(self, n: int) -> int:
+        n = min(n, self.limit)
+        async with self._cond:
+            await self._cond.wait_for(lambda: self.used + n <= self.limit)
+            self.used += n
+        return n
+
+    async def release(self, n: int) -> None:
+        async with self._cond:
+            self.used -= n
+            self._cond.notify_all()
+
+
+def delete_step(tier: Tier, job: str, step: int) -> None:
+    """Manifest first (un-commit), then the shards."""
+    prefix = keys.step_prefix(job, step)
+    tier.delete(keys.manifest_key(job, step))
+    for k in tier.list(prefix):
+        tier.delete(k)
+
+
+class Drainer:
+    """The drain queues and workers of one agent, and its retention.
+
+    ``slots_freed`` is awaited after memory lost steps, so trainers waiting for a staging slot look again.
+    """
+
+    def __init__(self, settings: Settings, me: int, memory: MemoryTier, book: StepBook, layouts: LayoutBook,
+                 budget: ByteBudget, stats: dict, slots_freed: Callable[[], Awaitable[None]]) -> None:
+        self.settings = settings
+        self.me = me
+        self.memory = memory
+        self.book = book
+        self.layouts = layouts
+        self.budget = budget
+        self.stats = stats
+        self.slots_freed = slots_freed
+        self.tiers: dict[str, Tier] = {}
+        self._queues: dict[str, asyncio.Queue] = {}
+        self._workers: list[asyncio.Task] = []
+
+    def start(self, lower: list[Tier]) -> None:
+        """One queue and one worker per lower tier."""
+        for t in lower:
+            self.tiers[t.name] = t
+            self._queues[t.name] = asyncio.Queue()
+            self._workers.append(asyncio.create_task(self._worker(t), name=f"drain-{t.name}"))
+
+    def stop(self) -> None:
+        for w in self._workers:
+            w.cancel()
+
+    def busy(self) -> bool:
+        """Whether a step is queued or being written."""
+        return self.book.busy() or any(not q.empty() for q in self._queues.values())
+
+    def queued(self) -> dict[str, int]:
+        return {n: q.qsize() for n, q in self._queues.items()}
+
+    def targets(self, save_index: int) -> list[Tier]:
+        """The lower tiers the ``save_index``-th save is due in."""
+        out = []
+        if "disk" in self.tiers and save_index % self.settings.disk_every == 0:
+            out.append(self.tiers["disk"])
+        if "s3" in self.tiers and save_index % self.settings.s3_every == 0:
+            out.append(self.tiers["s3"])
+        return out
+
+    def enqueue(self, tier: Tier, job: str, step: int) -> None:
+        self.book.draining.setdefault((job, step), set()).add(tier.name)
+        self.book.settled.setdefault((job, step), asyncio.Event())
+        self._queues[tier.name].put_nowait((job, step))
+
+    async def committed(self, m: Manifest) -> None:
+        """A step was committed in memory: queue the writes it is due, then apply memory's retention."""
+        job, step = m.job, m.step
+        targets = self.targets(int(m.metadata.get("save_index", step)))
+        for t in targets:
+            self.enqueue(t, job, step)
+        if not targets:
+            self.book.settle(job, step)
+        await self.trim(self.memory, job)
+
+    # ------------------------------------------------------------------ drain
+    async def _worker(self, tier: Tier) -> None:
+        q = self._queues[tier.name]
+        while True:
+            job, step = await q.get()
+            # a newer step of the same job already waiting supersedes this one for this tier
+            newer = [s for (j, s) in list(q._queue) if j == job and s > step]  # noqa: SLF001
+            if newer:
+                log.info("%s step %d not written to %s: step %d supersedes it", job, step, tier.name, max(newer))
+                self._drained(tier, job, step)
+                continue
+            try:
+                await self._drain_step(tier, job, step)
+                self.stats["drained"][tier.name] += 1
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:
+                self.book.error(job, f"step {step} could not be written to the {tier.name} tier "
+                                     f"({tier.describe()}): {e}")
+            finally:
+                self._drained(tier, job, step)
+            with contextlib.suppress(Exception):
+                await self.trim(tier, job)
+            await self.trim(self.memory, job, layouts=False)
+
+    def _drained(self, tier: Tier, job: str, step: int) -> None:
+        left = self.book.draining.get((job, step))
+        if left is not None:
+            left.discard(tier.name)
+            if not left:
+                del self.book.draining[(job, step)]
+                self.book.settle(job, step)
+
+    async def _drain_step(self, tier: Tier, job: str, step: int) -> None:
+        mkey = keys.manifest_key(job, step)
+        manifest_bytes = await asyncio.to_thread(self.memory.get, mkey)
+        m = Manifest.from_bytes(manifest_bytes, job=job, step=step)
+        t0 = time.perf_counter()
+
+        async def one(rank: int, size: int) -> None:
+            n = await self.budget.acquire(size)
+            try:
+                src = self.memory.path(keys.shard_key(job, step, rank))
+                await asyncio.to_thread(tier.put, keys.shard_key(job, step, rank), src)
+            finally:
+                await self.budget.release(n)
+
+        mine = [s for s in m.shards if s.node == self.me]
+        if not mine:
+            return  # this node took no shard of the step from a trainer: nothing of it is this node's to write
+        # layouts first (once per tier), then shards, then the manifest: what a manifest names is always there
+        for digest in sorted({s.layout for s in mine if s.layout}):
+            await self.layouts.ensure(tier.name, tier, job, digest)
+        await asyncio.gather(*(one(s.rank, s.size) for s in mine))
+        nbytes = sum(s.size for s in mine)
+        if tier.name == "s3" and len(mine) < len(m.shards):
+            # a shared bucket: the manifest goes in once every node's shards are there; the last node to
+            # finish sees them all (S3 lists are strongly consistent) and commits the step
+            present = set(await asyncio.to_thread(tier.list, keys.step_prefix(job, step)))
+            if not all(keys.shard_key(job, step, s.rank) in present for s in m.shards):
+                log.info("%s step %d: this node's shards are in %s; the last node to finish commits it",
+                         job, step, tier.name)
+                return
+        await asyncio.to_thread(tier.put, mkey, manifest_bytes)
+        dt = time.perf_counter() - t0
+        log.info("%s step %d written to %s: %d bytes in %.2f s (%.2f GB/s)", job, step, tier.name,
+                 nbytes, dt, nbytes / dt / 1e9 if dt else 0)
+
+    # ------------------------------------------------------------------ retention
+    async def trim(self, tier: Tier, job: str, *, layouts: bool = True) -> None:
+        """Retention of ``job`` in one tier (memory, disk or S3): keep the newest ``keep_*`` committed
+        steps, drop the stale uncommitted ones, never a step being written from or to this tier. In memory,
+        a dropped step some ranks committed is abandoned and waiting trainers look for a free slot again.
+        With ``layouts``, then drop the layout objects no retained step names (not in the shared S3 prefix:
+        another node may be writing a step that names one)."""
+        is_memory = tier is self.memory
+        keep = {"memory": self.settings.keep_memory, "disk": self.settings.keep_disk,
+                "s3": self.settings.keep_s3}[tier.name]
+        inv = await asyncio.to_thread(scan_tier, tier, job, with_sizes=False)
+        steps = inv.job(job)
+        # committed = manifest here, whatever shards this place holds (a node's disk holds its own ranks only)
+        committed = sorted(s for s, st in steps.items() if st.committed)
+        drop = set(committed[:-keep]) if len(committed) > keep else set()
+        # steps without a manifest older than the newest committed one will never be committed here
+        drop |= inv.stale_steps(job)
+        if is_memory:
+            drop = {s for s in drop if not self.book.draining.get((job, s))}
+        else:
+            drop = {s for s in drop if tier.name not in self.book.draining.get((job, s), set())}
+        for s in sorted(drop):
+            if is_memory:
+                self.book.abandon(job, s)
+            await asyncio.to_thread(delete_step, tier, job, s)
+            if not is_memory:
+                log.info("%s step %d removed from %s (retention keeps %d)", job, s, tier.name, keep)
+        if is_memory and drop:
+            await self.slots_freed()
+        if layouts and tier.name != "s3":
+            using = {d for (j, _), p in self.book.pending.items() if j == job for d in p.layouts.values()}
+            await self.layouts.trim(tier, job, using)
+
+    async def trim_all(self) -> None:
+        """Memory's retention for every job it holds (at start-up)."""
+        for job in {k[0] for k in self.book.draining} | set((await asyncio.to_thread(scan_tier, self.memory)).steps):
+            await self.trim(self.memory, job, layouts=False)
