@@ -1,0 +1,611 @@
+"""Replication: this node's shards onto its placement partners, the commit tree's transport, heartbeats, heal.
+
+Built by the agent only when it has peers. Call order::
+
+    Replicator(...)       membership, one client tier and one keep-alive control link per peer, the
+                          commit tree (agents.dissemination) wired to the step book, the peer server
+                          with the agent's routes below
+    start()               serve; join the commit tree; heartbeat and heal loops
+    share(…)              a trainer committed a shard here: copy it to the nodes placement names (each
+                          pulls it) and send its commit row up the tree once its checksum is known
+    copies(job, steps)    the copies still under way (a trainer's ``wait`` waits for them too)
+    stop()                cancel the loops, stop serving, close links and thread pools
+
+The agent's routes on the peer server (all signed; small JSON bodies, sent
+zlib-deflated as ``Content-Type: application/x-tierckpt-deflate`` when large;
+the server's own routes are in :mod:`agents.peer_server`)::
+
+    POST /v1/up       commit tree, child → parent: {"rows": [commit row, ...], "epoch",
+                      "reports": [["dead"|"alive", node], ...]}; answers {"view": {epoch, dead},
+                      "manifests": [manifest text of a step already committed here]}
+    POST /v1/down     commit tree, parent → child: {"manifests": [text], "view"}; the child commits
+                      each manifest and forwards the message to its children
+                      (both: a malformed message is a 400)
+    POST /v1/fetch    replication: {"key", "size", "from", ["checksum"]}: this node pulls the shard
+                      from node ``from`` (GET /v1/o/<key>) into its memory and answers {"checksum",
+                      "token"} once it is verified (published at once) or held (no checksum sent:
+                      "token" names the held copy); 400 bad request, 502 the pull failed
+    POST /v1/publish  {"token", "checksum", "publish"}: publish the held copy if its checksum
+                      matches (else 422), or drop it ({"dropped": true}); 404 for an unknown token
+
+Layouts travel as plain objects: ``PUT /v1/o/<layout key>`` (the peer server
+checks the content against the digest), once per peer and layout, before any
+shard that names it. A commit row: {"job", "step", "rank", "world", "nbytes",
+"checksum", "layout" (digest), "values", "save_index", "metadata", "node"}.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import errno
+import functools
+import json
+import logging
+import os
+import time
+import zlib
+from collections.abc import Callable, Iterable
+
+from recovery.inventory import scan_tier
+from tiers import keys
+from tiers.checksum import checksum_file
+from tiers.errors import TierError
+from tiers.memory import MemoryTier
+
+from .config import Settings
+from .dissemination import Disseminator, View, tree_children, tree_parent
+from .drain import ByteBudget
+from .layouts import LayoutBook
+from .replication import DEFLATED_JSON, Membership, PeerLink, load_peer_list, post_json
+from .stepbook import Pending, StepBook
+from .tierset import peer_tier_map
+
+__all__ = ["MAX_CONTROL_BODY", "Replicator"]
+
+log = logging.getLogger("tierckpt.agent")
+
+#: the largest control message (commit rows, manifests, views) accepted once inflated, in bytes
+MAX_CONTROL_BODY = 64 << 20
+
+
+class Replicator:
+    """One agent's side of its peers: copies out and in, the commit tree, membership, heal."""
+
+    def __init__(self, settings: Settings, memory: MemoryTier, book: StepBook, layouts: LayoutBook,
+                 budget: ByteBudget, stats: dict, metrics: Callable[[], dict[str, float]]) -> None:
+        from tiers.wire import TokenBucket, load_secret
+
+        from .peer_server import PeerServer
+
+        s = self.settings = settings
+        self.me = settings.node_rank
+        self.memory = memory
+        self.book = book
+        self.layouts = layouts
+        self.budget = budget
+        self.stats = stats
+        nodes = load_peer_list(s.peers)
+        self.members = Membership(nodes, s.node_rank, s.replicas, s.placement, s.dead_after)
+        self._secret = load_secret(s.secret_file) if s.secret_file else None
+        self._client_ssl = None
+        server_ssl = None
+        if s.tls_cert:
+            import ssl
+
+            server_ssl = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+            server_ssl.load_cert_chain(s.tls_cert, s.tls_key)
+            self._client_ssl = ssl.create_default_context(cafile=s.tls_ca)
+        self._bucket = TokenBucket(s.peer_bandwidth) if s.peer_bandwidth else None
+        self.peer_tiers = peer_tier_map(s, timeout=s.peer_timeout, secret=self._secret,
+                                        ssl_context=self._client_ssl, bucket=self._bucket)
+        mine = nodes[self.me]
+        # control messages (commit tree, heartbeats) get their own threads and one keep-alive link per peer,
+        # so neither the peer server (its own threads) nor the drains (the default executor) wait behind them
+        self._ctrl_pool = concurrent.futures.ThreadPoolExecutor(max(4, 2 * s.fanout + 4),
+                                                                thread_name_prefix="tierckpt-ctrl")
+        # outgoing peer requests (which wait on a remote) and pulls served for a peer's fetch (which only wait
+        # on the remote's sendfile) each have their own threads: neither can starve the other, nor serving
+        self._out_pool = concurrent.futures.ThreadPoolExecutor(16, thread_name_prefix="tierckpt-out")
+        self._pull_pool = concurrent.futures.ThreadPoolExecutor(8, thread_name_prefix="tierckpt-pull")
+        self._links = {n.rank: PeerLink(n.addr, secret=self._secret, node=self.me, timeout=s.peer_timeout,
+                                        ssl_context=self._client_ssl) for n in nodes if n.rank != self.me}
+        self.dis = Disseminator(self.me, alive=self.members.alive, post=self._post, on_rows=book.take_rows,
+                                on_manifest=book.receive_manifest, on_view=self._adopt_view,
+                                on_report=self.members.mark, dead=self.members.dead, fanout=s.fanout,
+                                resend_after=s.peer_timeout, retry_after=s.heartbeat)
+        book.tree = self.dis
+        self.peer_server = PeerServer(
+            memory, host=mine.host, port=mine.port, secret=self._secret, node=self.me, ssl_context=server_ssl,
+            extra_routes=[("POST", "/v1/up", self._tree_route(self.dis.handle_up)),
+                          ("POST", "/v1/down", self._tree_route(self.dis.handle_down)),
+                          ("POST", "/v1/fetch", self._http_fetch), ("POST", "/v1/publish", self._http_publish)],
+            metrics_cb=metrics, long_paths=("/v1/fetch",),
+        )
+        #: copies of local shards to peers still under way, per step (``wait`` waits for them too)
+        self._copies: dict[tuple[str, int], set[asyncio.Future]] = {}
+        self._pushing: set[tuple[int, str]] = set()
+        self._layout_pushes: dict[tuple[int, str, str], asyncio.Future] = {}
+        #: pulled copies waiting for the primary's checksum: token -> (key, temp file, checksum, since)
+        self._unpublished: dict[str, tuple[str, str, str, float]] = {}
+        self._sources_cache: tuple[frozenset[int], set[int]] | None = None
+        self._heal_now: asyncio.Event | None = None
+        self._tasks: list[asyncio.Task] = []
+
+    # ------------------------------------------------------------------ lifecycle
+    async def start(self) -> None:
+        """Serve the peers, join the commit tree, start heartbeats and heal."""
+        await self.peer_server.start()
+        self.dis.start()
+        self.dis.report("alive", self.me)  # a restarted node tells the root it is back
+        self._heal_now = asyncio.Event()
+        self._tasks.append(asyncio.create_task(self._heartbeat_loop(), name="heartbeat"))
+        self._tasks.append(asyncio.create_task(self._heal_loop(), name="heal"))
+
+    async def stop(self) -> None:
+        """Cancel the loops, leave the commit tree, stop serving, close the links and thread pools."""
+        for t in self._tasks:
+            t.cancel()
+        await self.dis.stop()
+        with contextlib.suppress(Exception):
+            await self.peer_server.stop()
+        for link in self._links.values():
+            link.close()
+        for pool in (self._ctrl_pool, self._out_pool, self._pull_pool):
+            pool.shutdown(wait=False, cancel_futures=True)
+
+    def copies(self, job: str, steps: Iterable[int] | None = None) -> list[asyncio.Future]:
+        """Copies of the job's shards (of ``steps``, or of every step) to peers still under way."""
+        if steps is None:
+            return [f for (j, _), fs in self._copies.items() if j == job for f in fs]
+        return [f for s in steps for f in self._copies.get((job, s), ())]
+
+    # ------------------------------------------------------------------ copies out
+    async def share(self, job: str, step: int, rank: int, world: int, nbytes: int, pend: Pending) -> None:
+        """Tell every live peer about a local shard (for its manifest), and copy it to its placement targets."""
+        key = keys.shard_key(job, step, rank)
+        path = self.memory.path(key)
+        digest = pend.layouts[rank]
+
+        async def copy(r: int) -> bool:
+            if not await self._push_layout(r, job, digest):
+                return False
+            return await self._push(r, key, path, nbytes, pend.checksums[rank])
+
+        copies = [asyncio.ensure_future(copy(r)) for r in self.members.targets(self.me)]
+        under_way = self._copies.setdefault((job, step), set())
+        for f in copies:
+            under_way.add(f)
+
+            def done(f: asyncio.Future, k: tuple[str, int] = (job, step)) -> None:
+                left = self._copies.get(k)
+                if left is not None:
+                    left.discard(f)
+                    if not left:
+                        del self._copies[k]
+
+            f.add_done_callback(done)
+        try:
+            checksum = await pend.checksums[rank]
+        except Exception:
+            await asyncio.gather(*copies, return_exceptions=True)
+            return
+        record = {"job": job, "step": step, "rank": rank, "world": world, "nbytes": nbytes, "layout": digest,
+                  "values": [[e.name, e.value] for e in pend.entries[rank]],
+                  "checksum": checksum, "save_index": pend.save_index, "metadata": pend.metadata, "node": self.me}
+        self.dis.submit([record])
+        await asyncio.gather(*copies)
+
+    async def _push(self, r: int, key: str, src: str | bytes, nbytes: int,
+                    checksum: "str | asyncio.Future | None" = None) -> bool:
+        """Get ``key`` onto node ``r``: a shard is pulled by ``r`` from this node (GET with sendfile,
+        read straight into its memory folder — the fast direction of HTTP), a small object is PUT."""
+        if (r, key) in self._pushing:
+            return True  # already on its way there
+        self._pushing.add((r, key))
+        st = self.members.peers[r]
+        st.debt_bytes += nbytes
+        held = await self.budget.acquire(nbytes)
+        t0 = time.perf_counter()
+        try:
+            if isinstance(src, str) and keys.parse_key(key) and not key.endswith(keys.MANIFEST_NAME):
+                addr = self.members.nodes[r].addr
+                # a pull of a large shard may take a while: allow for a slow 50 MB/s link
+                timeout = self.settings.peer_timeout + nbytes / 50e6
+
+                def call(path: str, body: dict, t: float = self.settings.peer_timeout) -> dict:
+                    return post_json(addr, path, body, secret=self._secret, node=self.me, timeout=t,
+                                     ssl_context=self._client_ssl)
+
+                if isinstance(checksum, str):
+                    await self.out(call, "/v1/fetch", {"key": key, "size": nbytes, "checksum": checksum,
+                                                                "from": self.me}, timeout)
+                else:
+                    # the peer pulls while this node's checksum is still being computed; the copy is
+                    # published only once the two checksums are known to agree
+                    pull = asyncio.ensure_future(asyncio.to_thread(
+                        call, "/v1/fetch", {"key": key, "size": nbytes, "from": self.me}, timeout))
+                    if checksum is None:
+                        checksum = asyncio.ensure_future(asyncio.to_thread(checksum_file, src, nbytes))
+                    expected = await checksum
+                    got = await pull
+                    match = got.get("checksum") == expected
+                    await self.out(call, "/v1/publish", {"token": got.get("token", ""),
+                                                                  "checksum": expected, "publish": match})
+                    if not match:
+                        from tiers.errors import ChecksumMismatchError
+
+                        raise ChecksumMismatchError(f"{key} reached node {r} with checksum {got.get('checksum')}, "
+                                                    f"the primary has {expected}: copy dropped")
+            else:
+                await self.out(self.peer_tiers[r].put, key, src)
+            st.sent_bytes += nbytes
+            self.stats["replicated_bytes"] += nbytes
+            log.info("%s copied to node %d: %d bytes in %.3f s", key, r, nbytes, time.perf_counter() - t0)
+            return True
+        except (TierError, OSError) as e:
+            self._peer_error(r, e)
+            return False
+        finally:
+            await self.budget.release(held)
+            st.debt_bytes -= nbytes
+            self._pushing.discard((r, key))
+
+    async def _push_layout(self, r: int, job: str, digest: str) -> bool:
+        """Make sure node ``r`` holds the layout object ``digest`` (sent once per peer, before any shard using it).
+
+        Concurrent callers for the same copy share one transfer and all wait for it, so no shard that names
+        the layout reaches ``r`` before the layout does."""
+        if self.layouts.held(f"node-{r}", job, digest):
+            return True
+        k = (r, job, digest)
+        fut = self._layout_pushes.get(k)
+        if fut is None:
+            fut = self._layout_pushes[k] = asyncio.ensure_future(self._send_layout(r, job, digest))
+            fut.add_done_callback(lambda _f: self._layout_pushes.pop(k, None))
+        return await asyncio.shield(fut)
+
+    async def _send_layout(self, r: int, job: str, digest: str) -> bool:
+        lkey = keys.layout_key(job, digest)
+        try:
+            data = await asyncio.to_thread(self.memory.get, lkey)
+        except (TierError, OSError) as e:
+            self._peer_error(r, e)
+            return False
+        if await self._push(r, lkey, data, len(data)):
+            self.layouts.mark(f"node-{r}", job, digest)
+            return True
+        return False
+
+    def _peer_error(self, r: int, e: BaseException) -> None:
+        st = self.members.peers[r]
+        st.errors += 1
+        st.last_error = str(e)
+        log.warning("node %d (%s): %s", r, st.node.addr, e)
+
+    # ------------------------------------------------------------------ threads
+    async def out(self, fn, *args):
+        """Run a blocking request to a peer in the outgoing-request threads."""
+        return await asyncio.get_running_loop().run_in_executor(self._out_pool, functools.partial(fn, *args))
+
+    async def pulling(self, fn, *args):
+        """Run a pull from a peer (replication, warm restore) in the pull threads."""
+        return await asyncio.get_running_loop().run_in_executor(self._pull_pool, functools.partial(fn, *args))
+
+    async def _post(self, r: int, path: str, body: dict) -> dict:
+        """A signed control POST to node ``r`` over its keep-alive link, in the control executor."""
+        loop = asyncio.get_running_loop()
+        try:
+            return await loop.run_in_executor(self._ctrl_pool, functools.partial(self._links[r].post, path, body))
+        except ConnectionError as e:
+            self._peer_error(r, e)
+            raise
+
+    # ------------------------------------------------------------------ membership
+    def _adopt_view(self, view: View) -> None:
+        """The root's view of who is dead: adopt it for the nodes this node does not watch."""
+        for kind, r in self.members.apply_view(set(view.dead) - {self.me}):
+            self.dis.report(kind, r)
+        self._rewatch()
+        if self._heal_now is not None:
+            self._heal_now.set()
+
+    def _rewatch(self) -> None:
+        """Heartbeat only this node's tree neighbours and placement partners: O(fanout + replicas) peers."""
+        live = sorted(self.members.alive())
+        watch = set(tree_children(live, self.me, self.settings.fanout))
+        parent = tree_parent(live, self.me, self.settings.fanout)
+        if parent is not None:
+            watch.add(parent)
+        watch |= set(self.members.targets(self.me)) | self._sources(frozenset(live))
+        self.members.watch(watch - {self.me})
+
+    def _sources(self, live: frozenset[int]) -> set[int]:
+        """The live nodes whose shards placement puts on this node (cached per live set)."""
+        cached = self._sources_cache
+        if cached is None or cached[0] != live:
+            cached = self._sources_cache = (live, {r for r in live if r != self.me
+                                                   and self.me in self.members.desired(r, set(live))})
+        return cached[1]
+
+    # ------------------------------------------------------------------ routes (see the module docstring)
+    async def _http_body(self, request) -> dict:
+        data = await request.read()
+        if request.content_type == DEFLATED_JSON:
+            d = zlib.decompressobj()
+            data = d.decompress(data, MAX_CONTROL_BODY)
+            if d.unconsumed_tail:
+                raise ValueError(f"control message over {MAX_CONTROL_BODY} bytes once inflated")
+        body = json.loads(data)
+        if not isinstance(body, dict):
+            raise ValueError("a control message is a JSON object")
+        return body
+
+    def _tree_route(self, handle):
+        """An aiohttp handler for one of the commit tree's routes: the body (deflated or not) to ``handle``,
+        its answer as JSON; a malformed message is a 400."""
+        from aiohttp import web
+
+        async def route(request):
+            try:
+                answer = await handle(await self._http_body(request))
+            except (ValueError, KeyError, TypeError, zlib.error) as e:
+                return web.Response(status=400, text=f"bad commit-tree message: {e}\n")
+            return web.json_response(answer)
+
+        return route
+
+    async def _http_fetch(self, request):
+        """A peer asks this node to pull a shard from it (replication); answers once the copy is verified."""
+        from aiohttp import web
+
+        try:
+            req = await request.json()
+            key = str(req["key"])
+            info = keys.parse_key(key)
+            size, src = int(req["size"]), int(req["from"])
+            checksum = req.get("checksum")
+            if info is None or info.is_manifest or size < 0 or src not in self.peer_tiers \
+                    or not (checksum is None or isinstance(checksum, str)):
+                raise ValueError("key, size, checksum or source node out of range")
+        except (ValueError, KeyError, TypeError) as e:
+            return web.Response(status=400, text=f"bad fetch request: {e}\n")
+        held = await self.budget.acquire(size)
+        t0 = time.perf_counter()
+        try:
+            got, tmp = await self.pulling(self.pull, src, key, size, checksum)
+            log.info("%s pulled from node %d: %d bytes in %.3f s", key, src, size, time.perf_counter() - t0)
+        except (TierError, OSError) as e:
+            return web.Response(status=502, text=f"pull of {key} from node {src} failed: {e}\n")
+        finally:
+            await self.budget.release(held)
+        token = ""
+        if tmp:
+            token = os.path.basename(tmp)
+            self._unpublished[token] = (key, tmp, got, time.monotonic())
+        return web.json_response({"checksum": got, "token": token})
+
+    async def _http_publish(self, request):
+        """Second half of a pull without a checksum: publish the copy if the primary's checksum matches."""
+        from aiohttp import web
+
+        try:
+            req = await request.json()
+            token, checksum, keep = str(req["token"]), str(req["checksum"]), bool(req.get("publish", True))
+        except (ValueError, KeyError, TypeError) as e:
+            return web.Response(status=400, text=f"bad publish request: {e}\n")
+        entry = self._unpublished.pop(token, None)
+        if entry is None:
+            return web.Response(status=404, text="no such pulled copy (expired or already published)\n")
+        key, tmp, got, _ = entry
+        if not keep or got != checksum:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+            if keep:
+                return web.Response(status=422, text=f"{key}: received {got}, primary has {checksum}\n")
+            return web.json_response({"dropped": True})
+        await asyncio.to_thread(os.rename, tmp, self.memory.path(key))
+        return web.json_response({"published": True})
+
+    def pull(self, src: int, key: str, size: int, checksum: str | None) -> tuple[str, str]:
+        """Read ``key`` from node ``src`` straight into a new file of the memory folder and checksum it.
+
+        With ``checksum`` the copy is verified and published at once; without, it stays a temp file
+        until :meth:`_http_publish` is told the checksum the primary computed meanwhile. Returns
+        ``(checksum of the bytes received, temp file or "")``.
+        """
+        from tiers.checksum import checksum_bytes
+
+        import mmap
+        import uuid
+
+        path = self.memory.path(key)
+        folder = os.path.dirname(path)
+        os.makedirs(folder, exist_ok=True)
+        tmp = os.path.join(folder, f".tmp-pull-{uuid.uuid4().hex}")
+        peer = self.peer_tiers[src]
+        try:
+            fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+            try:
+                if size:
+                    os.ftruncate(fd, size)
+                    try:
+                        os.posix_fallocate(fd, 0, size)
+                    except OSError as e:
+                        if e.errno in (errno.ENOSPC, errno.ENOMEM):
+                            from tiers.errors import TierFullError
+
+                            raise TierFullError(e.errno, f"no room for {key} in {self.memory.root}") from e
+                        raise
+                    failure: BaseException | None = None
+                    with mmap.mmap(fd, size) as mm:
+                        mv = memoryview(mm)
+                        try:
+                            step = size if self._bucket is None else self._bucket.chunk()
+                            for off in range(0, size, step):
+                                n = min(step, size - off)
+                                if self._bucket is not None:
+                                    self._bucket.take(n)
+                                peer.read_into(key, mv[off:off + n], off)
+                            got = checksum_bytes(mv)
+                        except Exception as e:
+                            # the traceback's frames hold views of the mapping: drop them, or closing it
+                            # raises BufferError and hides the real error
+                            failure = e.with_traceback(None)
+                        finally:
+                            mv.release()
+                    if failure is not None:
+                        raise failure
+                else:
+                    got = checksum_bytes(b"")
+            finally:
+                os.close(fd)
+            if checksum is None:
+                return got, tmp
+            if got != checksum:
+                from tiers.errors import ChecksumMismatchError
+
+                raise ChecksumMismatchError(f"{key} pulled from node {src} has checksum {got}, expected {checksum}")
+            os.rename(tmp, path)
+            return got, ""
+        except BaseException:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+            raise
+
+    # ------------------------------------------------------------------ heartbeats and heal
+    async def _heartbeat_loop(self) -> None:
+        """Heartbeat the watched peers (tree neighbours, placement partners); report changes to the root."""
+        loop = asyncio.get_running_loop()
+        self._rewatch()
+        while True:
+            changed = False
+
+            async def beat(r: int) -> None:
+                nonlocal changed
+                try:
+                    h = await loop.run_in_executor(self._ctrl_pool, self.peer_tiers[r].health)
+                    if self.members.seen(r, int(h.get("bytes_held", 0))):
+                        log.info("node %d is back", r)
+                        self.dis.report("alive", r)
+                        changed = True
+                except (TierError, OSError, ValueError) as e:
+                    self.members.peers[r].last_error = str(e)
+
+            await asyncio.gather(*(beat(r) for r in sorted(self.members.watched)))
+            for r in self.members.sweep():
+                self.layouts.forget_place(f"node-{r}")
+                log.warning("node %d (%s) declared dead: silent for %.1f s", r, self.members.nodes[r].addr,
+                            self.settings.dead_after)
+                self.dis.report("dead", r)
+                changed = True
+            if changed:
+                self._rewatch()
+                self.dis.view_changed()
+                self._heal_now.set()
+            await asyncio.sleep(self.settings.heartbeat)
+
+    async def _heal_loop(self) -> None:
+        """Keep ``replicas`` copies of every retained step's shards on live nodes (re-replicate, refill)."""
+        while True:
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._heal_now.wait(), timeout=max(5.0, 5 * self.settings.heartbeat))
+            self._heal_now.clear()
+            try:
+                await self._heal_once()
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("re-replication round failed; trying again")
+
+    async def _heal_once(self) -> int:
+        """One round: push every missing copy this node is responsible for; return the copies made."""
+        now = time.monotonic()
+        for token, (_, tmp, _, since) in list(self._unpublished.items()):
+            if now - since > 600:  # the primary never came back to publish it
+                self._unpublished.pop(token, None)
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(tmp)
+        alive = self.members.alive()
+        inv = await asyncio.to_thread(scan_tier, self.memory, None, with_sizes=True)
+        held: dict[int, set[str]] = {self.me: set()}
+        for job, steps in inv.steps.items():
+            for step, st in steps.items():
+                held[self.me] |= {keys.shard_key(job, step, r) for r in st.shards}
+                if st.has_manifest:
+                    held[self.me].add(keys.manifest_key(job, step))
+
+        async def listing(r: int) -> None:
+            try:
+                held[r] = set(await self.out(self.peer_tiers[r].list, ""))
+            except (TierError, OSError) as e:
+                self._peer_error(r, e)
+
+        # only the nodes placement names for the shards held here: O(replicas) peers, not every peer
+        primaries = {sh.node for steps in inv.steps.values() for st in steps.values() if st.manifest is not None
+                     for sh in st.manifest.shards if sh.rank in st.shards}
+        partners = {r for p in primaries for r in self.members.desired(p, alive)} - {self.me}
+        await asyncio.gather(*(listing(r) for r in sorted(partners & alive)))
+        made = 0
+        for job, steps in inv.steps.items():
+            for step, st in sorted(steps.items()):
+                if st.manifest is None or (job, step) in self.book.pending:
+                    continue
+                mkey = keys.manifest_key(job, step)
+                for sh in st.manifest.shards:
+                    key = keys.shard_key(job, step, sh.rank)
+                    if st.shards.get(sh.rank) != sh.size:
+                        continue
+                    want = self.members.desired(sh.node, alive)
+                    have = [r for r in sorted(held) if key in held[r]]
+                    # the lowest live holder pushes, so exactly one node acts for each shard
+                    if not have or have[0] != self.me:
+                        continue
+                    for r in want:
+                        if r not in held or key in held[r]:
+                            continue
+                        if sh.layout and keys.layout_key(job, sh.layout) not in held[r]:
+                            self.layouts.forget(f"node-{r}", job, sh.layout)  # it came back empty
+                            if not await self._push_layout(r, job, sh.layout):
+                                continue
+                            held[r].add(keys.layout_key(job, sh.layout))
+                        if await self._push(r, key, self.memory.path(key), sh.size, sh.checksum):
+                            made += 1
+                            held[r].add(key)
+                            if mkey not in held[r]:
+                                data = await asyncio.to_thread(self.memory.get, mkey)
+                                if await self._push(r, mkey, data, len(data)):
+                                    held[r].add(mkey)
+                # a live holder of shards without the manifest gets it from the lowest manifest holder
+                mholders = [r for r in sorted(held) if mkey in held[r]]
+                if mholders and mholders[0] == self.me:
+                    prefix = keys.step_prefix(job, step)
+                    for r in sorted(held):
+                        if mkey not in held[r] and any(k.startswith(prefix) for k in held[r]):
+                            data = await asyncio.to_thread(self.memory.get, mkey)
+                            if await self._push(r, mkey, data, len(data)):
+                                held[r].add(mkey)
+        if made:
+            log.info("re-replication: %d shard copies made", made)
+        return made
+
+    # ------------------------------------------------------------------ status
+    def tree_status(self) -> dict | None:
+        """This node's place in the commit tree and its control traffic."""
+        d = self.dis
+        return {"live": d.live(), "root": min(d.live()), "parent": d.parent(), "children": d.children(),
+                "epoch": d.view.epoch, "dead": sorted(d.view.dead), "watched": sorted(self.members.watched),
+                "stats": {k: v for k, v in vars(d.stats).items() if isinstance(v, int)},
+                "sent": sum(link.sent for link in self._links.values()),
+                "sent_bytes": sum(link.sent_bytes for link in self._links.values())}
+
+    def peer_status(self) -> list[dict]:
+        """What this node knows of each peer (for ``status``)."""
+        now = time.monotonic()
+        return [{"node": r, "addr": p.node.addr, "domain": p.node.domain, "alive": p.alive,
+                 "last_seen_s": None if p.last_seen is None else round(now - p.last_seen, 3),
+                 "bytes_held": p.bytes_held, "sent_bytes": p.sent_bytes, "debt_bytes": p.debt_bytes,
+                 "errors": p.errors, "last_error": p.last_error,
+                 "replicates_to": r in self.members.targets(self.me), "watched": r in self.members.watched}
+                for r, p in sorted(self.members.peers.items())]
