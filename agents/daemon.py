@@ -14,6 +14,22 @@ Everything slow (checksums, copies, uploads) runs in worker threads, so the
 agent keeps answering trainers while it drains. A failure in the background is
 stored and handed to the job's trainers, once, in the answer to their next
 request. The agent never crashes on a bad request: it answers with an error.
+
+This module keeps the agent's lifecycle (the memory folder's lock, the rebuild
+after a restart, start, serve, stop, the embedded agent's idle exit), the Unix
+socket and its ops (:mod:`agents.protocol`), staging-slot leases and status.
+The work is done by the parts it wires together, each readable alone::
+
+    agents.layouts     LayoutBook: layouts parsed once, stored once per place, trimmed
+    agents.stepbook    StepBook: per-step state and the one intake for commit rows
+    agents.drain       Drainer: write-back to disk and S3, retention of every tier
+    agents.replicator  Replicator (with peers): copies, commit tree, heartbeats, heal
+    agents.warm        WarmRestore (with peers): the pull of this node's shards at start
+
+Call order: ``Agent(settings)`` builds the tiers (:mod:`agents.tierset`) and
+the parts; ``start()`` takes the lock, starts the drain workers, sweeps temp
+files, rebuilds, starts replication and the warm restore, then opens the
+socket; ``stop()`` waits up to ``grace`` s for drains, then stops the parts.
 """
 
 from __future__ import annotations

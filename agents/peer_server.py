@@ -16,21 +16,10 @@ Routes (``<key>`` is a shard, manifest or layout key of :mod:`tiers.keys`; any o
 
 A layout PUT is stored only when its content matches the digest its key names (else 422).
 
-The node agent adds its own routes (handlers in :mod:`agents.daemon`), all signed, small JSON bodies
-(``Content-Type: application/x-tierckpt-deflate`` for a zlib-deflated one)::
-
-    POST   /v1/up                commit tree, child → parent: {"rows": [commit row, ...], "epoch",
-                                 "reports": [["dead"|"alive", node], ...]}; answers {"view": {epoch,
-                                 dead}, "manifests": [manifest text of a step already committed here]}
-    POST   /v1/down              commit tree, parent → child: {"manifests": [text], "view"}; the child
-                                 commits each manifest and forwards the message to its children
-    POST   /v1/fetch             replication: {"key", "size", "from", ["checksum"]}: this node pulls
-                                 the shard from node ``from`` (GET /v1/o/<key>) into its memory and
-                                 answers {"checksum", "token"} once it is verified (or held, no checksum)
-    POST   /v1/publish           {"token", "checksum", "publish"}: publish or drop a held pull
-
-A commit row: {"job", "step", "rank", "world", "nbytes", "checksum", "layout" (digest), "values",
-"save_index", "metadata", "node"} (see :mod:`agents.dissemination` for who sends what to whom).
+The node agent adds its own routes, all signed, with small JSON bodies: ``POST /v1/up`` and
+``POST /v1/down`` (the commit tree, :mod:`agents.dissemination`), ``POST /v1/fetch`` and
+``POST /v1/publish`` (replication). Their contract is documented beside their handlers, in
+:mod:`agents.replicator`.
 
 With a secret, every other request must carry a valid signature
 (:mod:`tiers.wire`) or is answered 401 with a one-line reason; the refusal is
