@@ -237,7 +237,11 @@ class Agent:
                 save_index = int(st.manifest.metadata.get("save_index", step))
                 for t in self.drain.targets(save_index):
                     have = lower[t.name].job(job).get(step)
-                    if lower[t.name].error is None and (have is None or not have.complete):
+                    # a node's disk holds its own ranks' shards (node-complete); the shared S3 prefix every
+                    # rank's (job-complete)
+                    done = have is not None and (have.complete if lower[t.name].shared
+                                                 else have.node_complete(self.me))
+                    if lower[t.name].error is None and not done:
                         log.info("re-queueing %s step %d for the %s tier (interrupted before)", job, step, t.name)
                         self.drain.enqueue(t, job, step)
         await self.drain.trim_all()
@@ -346,9 +350,12 @@ class Agent:
         for p in slots:
             if p not in self._leases and self.memory.slot_is_free(p):
                 return p
-        if len(slots) < self.settings.keep_memory + 1:
-            used = {os.path.basename(p) for p in slots}
-            i = next(i for i in range(len(slots) + 1) if f"slot-{i}" not in used)
+        # a new slot leased by a begin still preparing it (in a thread) is not a file yet: it counts too
+        folder = self.memory.slot_dir(job, rank)
+        taken = set(slots) | {p for p in self._leases if os.path.dirname(p) == folder}
+        if len(taken) < self.settings.keep_memory + 1:
+            used = {os.path.basename(p) for p in taken}
+            i = next(i for i in range(len(taken) + 1) if f"slot-{i}" not in used)
             return self.memory.new_slot_path(job, rank, i)
         return None
 
