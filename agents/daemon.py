@@ -57,8 +57,8 @@ from .config import Settings
 from .drain import ByteBudget, Drainer, delete_step
 from .layouts import LayoutBook
 from .protocol import MAX_LINE, PROTOCOL_VERSION, RequestError
-from .stepbook import Row, StepBook
 from .replicator import Replicator
+from .stepbook import Row, StepBook
 from .tierset import disk_tier, memory_tier, s3_tier
 from .warm import WarmRestore, idle_report
 
@@ -290,8 +290,7 @@ class Agent:
                 self._leases.discard(slot)
                 self._lease_conn.pop(slot, None)
             if conn.leases:
-                async with self._slot_cond:
-                    self._slot_cond.notify_all()
+                await self._slots_freed()
             with contextlib.suppress(Exception):
                 writer.close()
 
@@ -342,6 +341,7 @@ class Agent:
                     await asyncio.wait_for(self._slot_cond.wait(), timeout=min(remaining, 1.0))
 
     async def _slots_freed(self) -> None:
+        """Wake the begins waiting for a staging slot: one may be free now."""
         async with self._slot_cond:
             self._slot_cond.notify_all()
 
@@ -366,8 +366,7 @@ class Agent:
             owner.leases.discard(slot)
             self._leases.discard(slot)
             self._lease_conn.pop(slot, None)
-        async with self._slot_cond:
-            self._slot_cond.notify_all()
+        await self._slots_freed()
         return {}
 
     async def _op_commit(self, conn: _Conn, req: dict) -> dict:
@@ -466,8 +465,7 @@ class Agent:
             await asyncio.to_thread(delete_step, self.memory, job, s)
         if later:
             log.info("%s resumed from step %d: dropped later steps %s from memory", job, step, sorted(later))
-            async with self._slot_cond:
-                self._slot_cond.notify_all()
+            await self._slots_freed()
         return {"dropped": sorted(later)}
 
     async def _op_errors(self, conn: _Conn, req: dict) -> dict:
@@ -496,8 +494,7 @@ class Agent:
         for t in [self.memory] + self.lower:
             if t.name in names:
                 await asyncio.to_thread(delete_step, t, job, step)
-        async with self._slot_cond:
-            self._slot_cond.notify_all()
+        await self._slots_freed()
         return {}
 
     async def _op_shutdown(self, conn: _Conn, req: dict) -> dict:
