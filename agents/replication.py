@@ -151,6 +151,14 @@ class Membership:
                 break
         return out
 
+    def fallbacks(self, primary: int, count: int) -> list[int]:
+        """The ``count`` nodes after ``primary``'s placement partners in placement order: where copies of
+        its shards go when partners die (see :meth:`desired`), so where a replacement looks next."""
+        pos = self._order.index(primary) if primary in self._order else 0
+        partners = set(self.desired(primary, {n.rank for n in self.nodes}))
+        rest = [r for r in self._order[pos + 1:] + self._order[:pos] if r not in partners]
+        return rest[:count]
+
     def targets(self, primary: int) -> list[int]:
         """Where the primary sends copies now: desired holders other than itself."""
         return [r for r in self.desired(primary) if r != primary]
