@@ -17,6 +17,8 @@ the node at position ``i`` has parent ``(i - 1) // f`` and children
 ``f*i + 1 .. f*i + f``. The root is the lowest live node. Every node computes
 the same tree from the same view of who is alive.
 
+Rows wait ``linger`` seconds (20 ms) before a node sends them up, so the rows of
+a node's ranks, which arrive one by one, and its children's go as one message.
 Per node and step: 1-2 messages up (more only for the nodes near the root,
 which forward their subtrees: at most ``f`` receptions, coalesced), 1 message
 down in and ``f`` out. Independent of N for the leaves, ``O(f)`` for inner nodes.
@@ -56,6 +58,8 @@ log = logging.getLogger("tierckpt.agent")
 
 #: children per node in the commit tree
 DEFAULT_FANOUT = 8
+#: seconds a node gathers rows before sending them up
+DEFAULT_LINGER = 0.02
 #: committed manifests a node keeps to answer late rows (catch-up)
 KEEP_COMMITTED = 512
 
@@ -142,8 +146,10 @@ class Disseminator:
                  on_manifest: Callable[[str, int, bytes], Awaitable[bool]],
                  on_view: Callable[[View], None], on_report: Callable[[str, int], bool],
                  dead: Callable[[], set[int]],
-                 fanout: int = DEFAULT_FANOUT, resend_after: float = 10.0, retry_after: float = 1.0) -> None:
+                 fanout: int = DEFAULT_FANOUT, resend_after: float = 10.0, retry_after: float = 1.0,
+                 linger: float = DEFAULT_LINGER) -> None:
         self.me = me
+        self.linger = linger
         self.alive = alive
         self.post = post
         self.on_rows = on_rows
@@ -232,6 +238,11 @@ class Disseminator:
     async def _up_loop(self) -> None:
         while True:
             await self._wake.wait()
+            if self.linger > 0 and self.parent() is not None:
+                # rows come one per rank as each rank's copy is checksummed, and forwarded rows one per
+                # child's send: sent at once, a node near the root would pass on one message per row
+                # below it (253 a step at the root of 64 nodes). Waiting a moment sends them as one.
+                await asyncio.sleep(self.linger)
             self._wake.clear()
             if not self._rows and not self._reports:
                 continue

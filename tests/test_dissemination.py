@@ -37,8 +37,10 @@ def test_tree_covers_every_live_node_once_with_bounded_fanout():
 class Net:
     """``n`` nodes' Disseminators, each node one rank; the root "builds" a manifest naming the rows' checksums."""
 
-    def __init__(self, n: int, fanout: int = 2, resend_after: float = 0.5) -> None:
+    def __init__(self, n: int, fanout: int = 2, resend_after: float = 0.5, linger: float = 0.0) -> None:
         self.n = n
+        self.linger = linger
+        self.ups: dict[int, int] = {i: 0 for i in range(n)}
         self.down: set[int] = set()  # unreachable (killed) nodes
         self.lost_down: set[tuple[int, int]] = set()  # (from, to) whose messages down the tree are lost
         self.alive_view = {i: set(range(n)) for i in range(n)}
@@ -51,6 +53,7 @@ class Net:
     def _make(self, i: int, fanout: int) -> Disseminator:
         async def post(r: int, path: str, body: dict) -> dict:
             self.posts[i] += 1
+            self.ups[i] += path == "/v1/up"
             if r in self.down or i in self.down or (path == "/v1/down" and (i, r) in self.lost_down):
                 raise ConnectionError(f"node {r} unreachable")
             body = json.loads(json.dumps(body))  # as over the wire
@@ -86,7 +89,7 @@ class Net:
         return Disseminator(i, alive=lambda: self.alive_view[i], post=post, on_rows=on_rows,
                             on_manifest=on_manifest, on_view=adopt, on_report=mark,
                             dead=lambda: set(range(self.n)) - self.alive_view[i], fanout=fanout,
-                            resend_after=self.resend_after, retry_after=0.05)
+                            resend_after=self.resend_after, retry_after=0.05, linger=self.linger)
 
     def start(self) -> None:
         for d in self.nodes.values():
@@ -130,6 +133,29 @@ def test_every_node_commits_the_same_manifest_and_sends_a_bounded_number_of_mess
             # per node and step: about one message up and `fanout` down, however many nodes there are
             for i in range(net.n):
                 assert net.posts[i] <= 4 * (1 + 3 + 1), (i, net.posts[i])
+        finally:
+            await net.stop()
+
+    asyncio.run(run())
+
+
+def test_rows_that_arrive_one_by_one_go_up_as_one_message_per_node():
+    async def run() -> None:
+        ranks = 8
+        net = Net(13, fanout=3, resend_after=3600, linger=0.5)
+        net.start()
+        try:
+            for i in range(net.n):
+                for r in range(ranks):  # each rank's row on its own, the up loop running in between
+                    net.nodes[i].submit([{"job": "j", "step": 0, "rank": i * ranks + r, "world": net.n * ranks,
+                                          "checksum": f"c{i}-{r}"}])
+                    for _ in range(3):
+                        await asyncio.sleep(0)
+            await net.wait(lambda: all(("j", 0) in net.committed[i] for i in range(net.n)), "step 0 everywhere")
+            # a leaf sends its 8 rows once; an inner node its own and its children's together (2 at most,
+            # when a child's rows come in while the node's own send is under way)
+            assert net.ups[0] == 0
+            assert all(net.ups[i] <= 2 for i in range(1, net.n)), net.ups
         finally:
             await net.stop()
 
