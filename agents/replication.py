@@ -67,6 +67,7 @@ class Membership:
                 self.peers[n.rank] = PeerState(n, last_seen=now)
         self.watched = set(self.peers)
         self._order = placement_order(self.nodes)
+        self._base: dict[int, list[int]] = {}
 
     def seen(self, rank: int, bytes_held: int) -> bool:
         """Record a heartbeat answer; True if the peer was dead until now."""
@@ -140,7 +141,11 @@ class Membership:
     def desired(self, primary: int, alive: set[int] | None = None) -> list[int]:
         """Nodes that should hold a shard whose primary copy is on ``primary`` (see module docstring)."""
         alive = self.alive() if alive is None else alive
-        base = [primary] + replica_targets(self.nodes, primary, self.replicas, self.placement)
+        base = self._base.get(primary)
+        if base is None:
+            # depends only on the peer list: computed once per primary (it walks the whole placement)
+            base = self._base[primary] = [primary] + replica_targets(self.nodes, primary, self.replicas,
+                                                                     self.placement)
         pos = self._order.index(primary) if primary in self._order else 0
         rest = self._order[pos + 1:] + self._order[:pos]
         out: list[int] = []
