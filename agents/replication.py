@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 from .placement import Node, parse_peers, placement_order, replica_targets
 
-__all__ = ["DEFLATED_JSON", "PeerLink", "placement_partners", "PeerState", "Membership", "load_peer_list", "post_json"]
+__all__ = ["DEFLATED_JSON", "LinkPool", "PeerLink", "placement_partners", "PeerState", "Membership", "load_peer_list"]
 
 
 def load_peer_list(spec: str) -> list[Node]:
@@ -67,6 +67,7 @@ class Membership:
                 self.peers[n.rank] = PeerState(n, last_seen=now)
         self.watched = set(self.peers)
         self._order = placement_order(self.nodes)
+        self._base: dict[int, list[int]] = {}
 
     def seen(self, rank: int, bytes_held: int) -> bool:
         """Record a heartbeat answer; True if the peer was dead until now."""
@@ -140,7 +141,11 @@ class Membership:
     def desired(self, primary: int, alive: set[int] | None = None) -> list[int]:
         """Nodes that should hold a shard whose primary copy is on ``primary`` (see module docstring)."""
         alive = self.alive() if alive is None else alive
-        base = [primary] + replica_targets(self.nodes, primary, self.replicas, self.placement)
+        base = self._base.get(primary)
+        if base is None:
+            # depends only on the peer list: computed once per primary (it walks the whole placement)
+            base = self._base[primary] = [primary] + replica_targets(self.nodes, primary, self.replicas,
+                                                                     self.placement)
         pos = self._order.index(primary) if primary in self._order else 0
         rest = self._order[pos + 1:] + self._order[:pos]
         out: list[int] = []
@@ -150,6 +155,14 @@ class Membership:
             if len(out) == min(self.replicas, len(alive)):
                 break
         return out
+
+    def fallbacks(self, primary: int, count: int) -> list[int]:
+        """The ``count`` nodes after ``primary``'s placement partners in placement order: where copies of
+        its shards go when partners die (see :meth:`desired`), so where a replacement looks next."""
+        pos = self._order.index(primary) if primary in self._order else 0
+        partners = set(self.desired(primary, {n.rank for n in self.nodes}))
+        rest = [r for r in self._order[pos + 1:] + self._order[:pos] if r not in partners]
+        return rest[:count]
 
     def targets(self, primary: int) -> list[int]:
         """Where the primary sends copies now: desired holders other than itself."""
@@ -246,41 +259,60 @@ class PeerLink:
             self.close_locked()
 
 
+class LinkPool:
+    """Up to ``size`` keep-alive :class:`PeerLink` s per peer, for requests that may run side by side
+    (replication's fetch and publish: one per shard being copied).
+
+    A request takes an idle link of its peer, or opens one while the peer has fewer than ``size``, or
+    waits for one to come back. So a server holds at most ``size`` such connections from each client,
+    and a step's copies reuse them instead of opening a connection per shard.
+    """
+
+    def __init__(self, addrs: dict[int, str], size: int, **link_kw) -> None:
+        import threading
+
+        self.size = size
+        self._addrs = addrs
+        self._kw = link_kw
+        self._idle: dict[int, list[PeerLink]] = {r: [] for r in addrs}
+        self._open: dict[int, int] = dict.fromkeys(addrs, 0)
+        self._cond = threading.Condition()
+        self._closed = False
+
+    def post(self, r: int, path: str, obj: dict, *, timeout: float | None = None) -> dict:
+        """POST ``obj`` to node ``r`` on a pooled link (see :meth:`PeerLink.post`)."""
+        with self._cond:
+            while not self._idle[r] and self._open[r] >= self.size and not self._closed:
+                self._cond.wait()
+            if self._closed:
+                raise ConnectionError("the agent is stopping")
+            if self._idle[r]:
+                link = self._idle[r].pop()
+            else:
+                link = PeerLink(self._addrs[r], **self._kw)
+                self._open[r] += 1
+        try:
+            return link.post(path, obj, timeout=timeout)
+        finally:
+            with self._cond:
+                if self._closed:
+                    link.close()
+                else:
+                    self._idle[r].append(link)
+                self._cond.notify()
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            for links in self._idle.values():
+                for link in links:
+                    link.close()
+                links.clear()
+            self._cond.notify_all()
+
+
 #: Content-Type of a zlib-deflated JSON body (control messages above a few KB)
 DEFLATED_JSON = "application/x-tierckpt-deflate"
-
-
-def post_json(addr: str, path: str, obj: dict, *, secret: bytes | None, node: int, timeout: float,
-              ssl_context=None) -> dict:
-    """POST a small signed JSON request to a peer agent; return its JSON answer.
-
-    Raises ConnectionError when the peer cannot be reached or refuses the request.
-    """
-    import http.client
-    import json
-
-    from tiers.wire import sign
-
-    body = json.dumps(obj, separators=(",", ":")).encode()
-    host, _, port = addr.rpartition(":")
-    host = host.strip("[]")
-    conn_cls = http.client.HTTPSConnection if ssl_context is not None else http.client.HTTPConnection
-    kw = {"context": ssl_context} if ssl_context is not None else {}
-    conn = conn_cls(host, int(port), timeout=timeout, **kw)
-    headers = {"Content-Type": "application/json", "Content-Length": str(len(body))}
-    if secret:
-        headers.update(sign(secret, "POST", path, None, node=node, content_length=len(body)))
-    try:
-        conn.request("POST", path, body=body, headers=headers)
-        resp = conn.getresponse()
-        data = resp.read(1 << 20)
-    except OSError as e:
-        raise ConnectionError(f"peer {addr} unreachable: {e}") from e
-    finally:
-        conn.close()
-    if resp.status >= 300:
-        raise ConnectionError(f"peer {addr} refused {path}: {resp.status} {data[:200].decode(errors='replace')}")
-    return json.loads(data or b"{}")
 
 
 def placement_partners(settings) -> set[int]:

@@ -58,7 +58,7 @@ from .config import Settings
 from .dissemination import Disseminator, View, tree_children, tree_parent
 from .drain import ByteBudget
 from .layouts import LayoutBook
-from .replication import DEFLATED_JSON, Membership, PeerLink, load_peer_list, post_json
+from .replication import DEFLATED_JSON, LinkPool, Membership, PeerLink, load_peer_list
 from .stepbook import Pending, StepBook
 from .tierset import peer_tier_map
 
@@ -111,6 +111,10 @@ class Replicator:
         self._pull_pool = concurrent.futures.ThreadPoolExecutor(8, thread_name_prefix="tierckpt-pull")
         self._links = {n.rank: PeerLink(n.addr, secret=self._secret, node=self.me, timeout=s.peer_timeout,
                                         ssl_context=self._client_ssl) for n in nodes if n.rank != self.me}
+        # replication's fetch/publish requests, one per shard copied, reuse a few keep-alive links per peer
+        self._fetch_links = LinkPool({n.rank: n.addr for n in nodes if n.rank != self.me}, size=8,
+                                     secret=self._secret, node=self.me, timeout=s.peer_timeout,
+                                     ssl_context=self._client_ssl)
         self.dis = Disseminator(self.me, alive=self.members.alive, post=self._post, on_rows=book.take_rows,
                                 on_manifest=book.receive_manifest, on_view=self._adopt_view,
                                 on_report=self.members.mark, dead=self.members.dead, fanout=s.fanout,
@@ -152,6 +156,7 @@ class Replicator:
             await self.peer_server.stop()
         for link in self._links.values():
             link.close()
+        self._fetch_links.close()
         for pool in (self._ctrl_pool, self._out_pool, self._pull_pool):
             pool.shutdown(wait=False, cancel_futures=True)
 
@@ -210,21 +215,22 @@ class Replicator:
         t0 = time.perf_counter()
         try:
             if isinstance(src, str) and keys.parse_key(key) and not key.endswith(keys.MANIFEST_NAME):
-                addr = self.members.nodes[r].addr
                 # a pull of a large shard may take a while: allow for a slow 50 MB/s link
                 timeout = self.settings.peer_timeout + nbytes / 50e6
 
                 def call(path: str, body: dict, t: float = self.settings.peer_timeout) -> dict:
-                    return post_json(addr, path, body, secret=self._secret, node=self.me, timeout=t,
-                                     ssl_context=self._client_ssl)
+                    return self._fetch_links.post(r, path, body, timeout=t)
 
                 if isinstance(checksum, str):
                     await self.out(call, "/v1/fetch", {"key": key, "size": nbytes, "checksum": checksum,
                                                                 "from": self.me}, timeout)
                 else:
                     # the peer pulls while this node's checksum is still being computed; the copy is
-                    # published only once the two checksums are known to agree
-                    pull = asyncio.ensure_future(asyncio.to_thread(
+                    # published only once the two checksums are known to agree. The request waits in the
+                    # outgoing-request threads, never the default executor: the peer's pull is served
+                    # from this node by handlers that need the default executor (file opens), and
+                    # requests parked there would starve them until the peer timeout
+                    pull = asyncio.ensure_future(self.out(
                         call, "/v1/fetch", {"key": key, "size": nbytes, "from": self.me}, timeout))
                     if checksum is None:
                         checksum = asyncio.ensure_future(asyncio.to_thread(checksum_file, src, nbytes))

@@ -98,11 +98,15 @@ class WarmRestore:
                 except (TierError, OSError) as e:
                     st["errors"].append(f"node {r}: {e}")
 
-            # the nodes placement puts this node's copies on first; every other peer only if they hold nothing
-            nodes = set(self.peers.members.desired(self.me, {n.rank for n in self.peers.members.nodes})) - {self.me}
+            # the nodes placement puts this node's copies on; only if they hold nothing, the few nodes after
+            # them in placement order, where re-replication puts copies when the partners die. Never every
+            # peer: a job start would cost N listings per node
+            members = self.peers.members
+            nodes = set(members.desired(self.me, {n.rank for n in members.nodes})) - {self.me}
             await asyncio.gather(*(listing(r) for r in sorted(nodes)))
             if not any(keys.parse_key(k) is not None for held in listings.values() for k in held):
-                await asyncio.gather(*(listing(r) for r in sorted(set(self.peers.peer_tiers) - nodes)))
+                more = members.fallbacks(self.me, 2 * self.settings.replicas)
+                await asyncio.gather(*(listing(r) for r in more))
             steps: dict[str, dict[int, int]] = {}  # job -> step -> a node that holds its manifest
             for r, held in sorted(listings.items(), reverse=True):
                 for key in held:

@@ -500,7 +500,8 @@ def _oldest_heartbeat(cluster: AgentCluster, pool) -> tuple[float | None, int]:
 
 
 def run_agents(n: int, *, ranks_per_node: int = 8, shard_bytes: int = 4096, replicas: int = 2, steps: int = 5,
-               idle_seconds: float = 5.0, step_timeout: float = 60.0, max_seconds: float = 600.0,
+               idle_seconds: float = 5.0, settle_seconds: float = 10.0, step_timeout: float = 60.0,
+               max_seconds: float = 600.0,
                tensors_per_rank: int = 1, max_never: int = 2, agent_args: tuple[str, ...] = (),
                log: Callable[[str], None] = lambda s: print(s, file=sys.stderr, flush=True)) -> ScaleRun:
     """Start ``n`` agents, measure them idle and over ``steps`` saves, stop them; see the module docstring.
@@ -547,19 +548,23 @@ def run_agents(n: int, *, ranks_per_node: int = 8, shard_bytes: int = 4096, repl
         other.start()
 
         # -- idle
-        idle_for = min(idle_seconds, max(left() - 1, 0))
+        idle_for = min(idle_seconds, max(left() - 1 - settle_seconds, 0))
         if idle_for > 0:
-            log(f"N={n}: idle for {idle_for:.0f} s")
-            before, cpu0, t0 = first, _cpu_all(cluster), time.perf_counter()
+            # start-up work (first heartbeats, the warm restore's listings, imports) is over before the window
+            time.sleep(settle_seconds)
+            log(f"N={n}: idle for {idle_for:.0f} s (after {settle_seconds:.0f} s to settle)")
+            before, cpu0, t0 = _scrape_all(pool, cluster), _cpu_all(cluster), time.perf_counter()
+            # nothing is asked of the agents during the window (a status answer costs O(N) itself)
+            time.sleep(idle_for)
+            cpu1, t1 = _cpu_all(cluster), time.perf_counter()
+            after = _scrape_all(pool, cluster)
             oldest = None
-            while time.perf_counter() - t0 < idle_for:
+            for _ in range(6):
                 # sampled off the heartbeat's beat (1 s), so the samples fall at every phase of a round
-                time.sleep(min(0.37, max(0.0, idle_for - (time.perf_counter() - t0))))
                 o, _ = _oldest_heartbeat(cluster, pool)
                 if o is not None:
                     oldest = max(oldest or 0.0, o)
-            cpu1, t1 = _cpu_all(cluster), time.perf_counter()
-            after = _scrape_all(pool, cluster)
+                time.sleep(0.37)
             res.idle_s = t1 - t0
             res.idle_cpu = [(b - a) / res.idle_s for a, b in zip(cpu0, cpu1)]
             res.idle_rx_rate = [delta(a, b, "tierckpt_peer_requests_total", _background_route) / res.idle_s
@@ -1003,7 +1008,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--shard-kib", type=int, default=4, help="bytes each rank saves per step, KiB")
     ap.add_argument("--tensors-per-rank", type=int, default=1, help="tensor chunks in each rank's layout")
     ap.add_argument("--replicas", type=int, default=2)
-    ap.add_argument("--idle-seconds", type=float, default=5.0)
+    ap.add_argument("--idle-seconds", type=float, default=10.0, help="length of the idle window, s")
+    ap.add_argument("--settle-seconds", type=float, default=10.0,
+                    help="wait after start-up before the idle window, s")
     ap.add_argument("--step-timeout", type=float, default=60.0, help="seconds before a step counts as never done")
     ap.add_argument("--max-seconds-per-n", type=float, default=600.0)
     ap.add_argument("--max-never", type=int, default=2,
@@ -1018,7 +1025,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"setup: N = {', '.join(map(str, nodes))} node agents on 127.0.0.1 (one /dev/shm folder each), "
           f"{a.ranks_per_node} ranks per node, shard {a.shard_kib} KiB per rank per step "
           f"({a.tensors_per_rank} tensor chunk(s)), replicas {a.replicas}, {a.steps} steps, "
-          f"idle interval {a.idle_seconds:g} s, step timeout {a.step_timeout:g} s, "
+          f"idle interval {a.idle_seconds:g} s after {a.settle_seconds:g} s to settle, step timeout {a.step_timeout:g} s, "
           f"budget {a.max_seconds_per_n:g} s per N; agent defaults otherwise "
           f"(heartbeat {Settings().heartbeat:g} s, dead_after {Settings().dead_after:g} s, "
           f"connection cap {MAX_CONNECTIONS}, asyncio default executor {_executor_threads()} threads); "
@@ -1034,6 +1041,7 @@ def main(argv: list[str] | None = None) -> int:
         for n in nodes:
             runs.append(run_agents(n, ranks_per_node=a.ranks_per_node, shard_bytes=a.shard_kib << 10,
                                    replicas=a.replicas, steps=a.steps, idle_seconds=a.idle_seconds,
+                                   settle_seconds=a.settle_seconds,
                                    step_timeout=a.step_timeout, max_seconds=a.max_seconds_per_n,
                                    tensors_per_rank=a.tensors_per_rank, max_never=a.max_never))
     except KeyboardInterrupt:
@@ -1047,7 +1055,8 @@ def main(argv: list[str] | None = None) -> int:
           "tx = requests the other nodes' servers answered from this node (by the signed node header); "
           "heartbeats and listings are in the idle table\n")
     print(step_table(runs))
-    print(f"\n(b) idle ({a.idle_seconds:g} s without saves, after every agent heard from every peer it watches): "
+    print(f"\n(b) idle ({a.idle_seconds:g} s without saves or requests, {a.settle_seconds:g} s after every agent "
+          "heard from every peer it watches; the oldest heartbeat sampled just after): "
           "per node median / max; 503s and refused connections over the whole run; "
           "false deaths: peers declared dead after start-up (no agent was stopped)\n")
     print(idle_table(runs, info["cores"]))

@@ -19,7 +19,7 @@ pytestmark = pytest.mark.e2e
 def test_two_agents_save_one_step_and_the_tables_have_a_row_per_n_and_figure():
     before = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
     run = bench_scale.run_agents(2, ranks_per_node=2, shard_bytes=4096, steps=1, idle_seconds=1.0,
-                                 step_timeout=20.0, max_seconds=25.0, log=lambda s: None)
+                                 settle_seconds=0.5, step_timeout=20.0, max_seconds=25.0, log=lambda s: None)
     assert run.notes == []
     assert len(run.steps) == 1
     step = run.steps[0]

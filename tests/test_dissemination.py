@@ -37,8 +37,12 @@ def test_tree_covers_every_live_node_once_with_bounded_fanout():
 class Net:
     """``n`` nodes' Disseminators, each node one rank; the root "builds" a manifest naming the rows' checksums."""
 
-    def __init__(self, n: int, fanout: int = 2, resend_after: float = 0.5) -> None:
+    def __init__(self, n: int, fanout: int = 2, resend_after: float = 0.5, linger: float = 0.0,
+                 hold: float = 1.0) -> None:
         self.n = n
+        self.linger = linger
+        self.hold = hold
+        self.ups: dict[int, int] = {i: 0 for i in range(n)}
         self.down: set[int] = set()  # unreachable (killed) nodes
         self.lost_down: set[tuple[int, int]] = set()  # (from, to) whose messages down the tree are lost
         self.alive_view = {i: set(range(n)) for i in range(n)}
@@ -51,6 +55,7 @@ class Net:
     def _make(self, i: int, fanout: int) -> Disseminator:
         async def post(r: int, path: str, body: dict) -> dict:
             self.posts[i] += 1
+            self.ups[i] += path == "/v1/up"
             if r in self.down or i in self.down or (path == "/v1/down" and (i, r) in self.lost_down):
                 raise ConnectionError(f"node {r} unreachable")
             body = json.loads(json.dumps(body))  # as over the wire
@@ -86,7 +91,8 @@ class Net:
         return Disseminator(i, alive=lambda: self.alive_view[i], post=post, on_rows=on_rows,
                             on_manifest=on_manifest, on_view=adopt, on_report=mark,
                             dead=lambda: set(range(self.n)) - self.alive_view[i], fanout=fanout,
-                            resend_after=self.resend_after, retry_after=0.05)
+                            resend_after=self.resend_after, retry_after=0.05, linger=self.linger,
+                            hold=self.hold)
 
     def start(self) -> None:
         for d in self.nodes.values():
@@ -130,6 +136,89 @@ def test_every_node_commits_the_same_manifest_and_sends_a_bounded_number_of_mess
             # per node and step: about one message up and `fanout` down, however many nodes there are
             for i in range(net.n):
                 assert net.posts[i] <= 4 * (1 + 3 + 1), (i, net.posts[i])
+        finally:
+            await net.stop()
+
+    asyncio.run(run())
+
+
+def test_rows_that_arrive_one_by_one_go_up_as_one_message_per_node():
+    async def run() -> None:
+        ranks = 8
+        net = Net(13, fanout=3, resend_after=3600, linger=0.5)
+        net.start()
+        try:
+            for i in range(net.n):
+                for r in range(ranks):  # each rank's row on its own, the up loop running in between
+                    net.nodes[i].submit([{"job": "j", "step": 0, "rank": i * ranks + r, "world": net.n * ranks,
+                                          "checksum": f"c{i}-{r}"}])
+                    for _ in range(3):
+                        await asyncio.sleep(0)
+            await net.wait(lambda: all(("j", 0) in net.committed[i] for i in range(net.n)), "step 0 everywhere")
+            # a leaf sends its 8 rows once; an inner node its own and its children's together (2 at most,
+            # when a child's rows come in while the node's own send is under way)
+            assert net.ups[0] == 0
+            assert all(net.ups[i] <= 2 for i in range(1, net.n)), net.ups
+        finally:
+            await net.stop()
+
+    asyncio.run(run())
+
+
+def test_a_node_holds_its_rows_until_the_ranks_of_its_previous_step_are_in():
+    async def run() -> None:
+        ranks, n = 4, 7
+        net = Net(n, fanout=2, resend_after=3600, linger=0.0, hold=3600)
+        net.start()
+
+        async def trickle(step: int, skip: set[int] = frozenset()) -> None:
+            for i in range(n):
+                for r in range(ranks):
+                    if (i, r) in skip:
+                        continue
+                    net.nodes[i].submit([{"job": "j", "step": step, "rank": i * ranks + r, "world": n * ranks,
+                                          "checksum": f"c{step}-{i}-{r}"}])
+                    for _ in range(3):
+                        await asyncio.sleep(0)
+
+        try:
+            await trickle(0)  # nothing known yet: rows go as they come
+            await net.wait(lambda: all(("j", 0) in net.committed[i] for i in range(n)), "step 0 everywhere")
+            before = dict(net.ups)
+            await trickle(1)
+            await net.wait(lambda: all(("j", 1) in net.committed[i] for i in range(n)), "step 1 everywhere")
+            leaves = [i for i in range(n) if not net.nodes[i].children()]
+            assert leaves and all(net.ups[i] - before[i] == 1 for i in leaves), (net.ups, before)
+            # a rank that does not come: the node's other rows wait, then go up when it does
+            await trickle(2, skip={(3, 1)})
+            for _ in range(50):
+                await asyncio.sleep(0)
+            assert not any(r // ranks == 3 for r in net.rows[0].get(("j", 2), {})), "held rows went up early"
+            net.nodes[3].submit([{"job": "j", "step": 2, "rank": 3 * ranks + 1, "world": n * ranks,
+                                  "checksum": "late"}])
+            await net.wait(lambda: all(("j", 2) in net.committed[i] for i in range(n)), "step 2 everywhere")
+        finally:
+            await net.stop()
+
+    asyncio.run(run())
+
+
+def test_held_rows_go_up_after_the_hold_when_a_rank_never_comes():
+    async def run() -> None:
+        net = Net(3, fanout=2, resend_after=3600, linger=0.0, hold=0.3)
+        net.start()
+        try:
+            for step in (0, 1):
+                for i in range(3):
+                    for r in range(2):
+                        if step == 1 and (i, r) == (2, 1):
+                            continue  # node 2's second rank died before step 1
+                        net.nodes[i].submit([{"job": "j", "step": step, "rank": 2 * i + r, "world": 6,
+                                              "checksum": f"c{step}-{i}-{r}"}])
+                if step == 0:
+                    await net.wait(lambda: all(("j", 0) in net.committed[i] for i in range(3)), "step 0")
+            await net.wait(lambda: 4 in net.rows[0].get(("j", 1), {}), "node 2's held row at the root")
+            assert ("j", 1) not in net.committed[0]
         finally:
             await net.stop()
 

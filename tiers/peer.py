@@ -193,6 +193,8 @@ class PeerTier(TierBase):
     """
 
     name = "peer"
+    #: idle keep-alive connections kept for reuse
+    KEEP_IDLE = 4
 
     def __init__(
         self,
@@ -230,6 +232,11 @@ class PeerTier(TierBase):
             bucket = rate_limit
         self.bucket: TokenBucket | None = bucket
         self.expect_continue = None if ssl_context is not None else expect_continue
+        #: keep-alive connections not in use; any thread takes one, so a client holds at most as many as
+        #: it has requests under way at once (and keeps at most ``KEEP_IDLE`` of them afterwards), not one
+        #: per thread that ever called it
+        self._idle: list[http.client.HTTPConnection] = []
+        #: the connection of the attempt the calling thread is running (what ``_drop()`` drops)
         self._local = threading.local()
         self._conns: set[http.client.HTTPConnection] = set()
         self._lock = threading.Lock()
@@ -239,34 +246,47 @@ class PeerTier(TierBase):
         return f"peer {self.addr}"
 
     # -- connections -----------------------------------------------------------------------
-    def _conn(self) -> http.client.HTTPConnection:
+    def _take(self) -> http.client.HTTPConnection:
+        """An idle keep-alive connection, or a new one."""
         if self._closed:
             raise TierError(errno.EBADF, f"{self.describe()} is closed")
-        conn = getattr(self._local, "conn", None)
-        if conn is None:
-            if self.ssl_context is not None:
-                conn = http.client.HTTPSConnection(self.host, self.port, timeout=self.timeout,
-                                                   context=self.ssl_context)
-            else:
-                conn = http.client.HTTPConnection(self.host, self.port, timeout=self.timeout)
-            with self._lock:
-                self._conns.add(conn)
-            self._local.conn = conn
+        with self._lock:
+            if self._idle:
+                conn = self._local.conn = self._idle.pop()
+                return conn
+        if self.ssl_context is not None:
+            conn = http.client.HTTPSConnection(self.host, self.port, timeout=self.timeout, context=self.ssl_context)
+        else:
+            conn = http.client.HTTPConnection(self.host, self.port, timeout=self.timeout)
+        with self._lock:
+            self._conns.add(conn)
+        self._local.conn = conn
         return conn
 
-    def _drop(self) -> None:
-        """Close this thread's connection (its state is unknown); the next request opens another."""
-        conn = getattr(self._local, "conn", None)
-        if conn is not None:
-            self._local.conn = None
-            with self._lock:
-                self._conns.discard(conn)
-            conn.close()
+    def _give(self, conn: http.client.HTTPConnection) -> None:
+        """Return a connection after its attempt; kept for reuse unless it was dropped or enough are idle."""
+        self._local.conn = None
+        with self._lock:
+            if conn in self._conns and not self._closed and len(self._idle) < self.KEEP_IDLE:
+                self._idle.append(conn)
+                return
+            self._conns.discard(conn)
+        conn.close()
+
+    def _drop(self, conn: http.client.HTTPConnection | None = None) -> None:
+        """Close a connection whose state is unknown (by default the one the calling thread's attempt
+        uses); the next request opens another."""
+        conn = conn if conn is not None else getattr(self._local, "conn", None)
+        if conn is None:
+            return
+        with self._lock:
+            self._conns.discard(conn)
+        conn.close()
 
     def close(self) -> None:
         self._closed = True
         with self._lock:
-            conns, self._conns = list(self._conns), set()
+            conns, self._conns, self._idle = list(self._conns), set(), []
         for conn in conns:
             conn.close()
 
@@ -422,25 +442,33 @@ class PeerTier(TierBase):
                                        f"({_describe(e)}); is its agent running?") from e
 
     def _attempt(self, fn: Callable[[http.client.HTTPConnection], Any]) -> Any:
-        conn = self._conn()
+        conn = self._take()
         reused = conn.sock is not None
         try:
-            return fn(conn)
+            out = fn(conn)
         except TierError:
-            raise  # raised after the answer was consumed: the connection is fine
+            self._give(conn)  # raised after the answer was consumed: the connection is fine
+            raise
         except BaseException as e:
-            self._drop()
+            self._drop(conn)
             # a keep-alive connection the peer closed while idle: reopen it, once, for free
             if not (reused and isinstance(e, (http.client.RemoteDisconnected, BrokenPipeError,
                                               ConnectionResetError))):
                 raise
+        else:
+            self._give(conn)
+            return out
+        conn = self._take()
         try:
-            return fn(self._conn())
+            out = fn(conn)
         except TierError:
+            self._give(conn)
             raise
         except BaseException:
-            self._drop()
+            self._drop(conn)
             raise
+        self._give(conn)
+        return out
 
     # -- Tier ----------------------------------------------------------------------------------
     def put(self, key: str, src: Source) -> int:
