@@ -34,6 +34,7 @@ import time
 import zlib
 from dataclasses import dataclass, field
 
+from recovery import step_index
 from recovery.inventory import scan_tier
 from tiers import keys
 from tiers.base import Tier
@@ -382,6 +383,7 @@ class Agent:
                     if lower[t.name].error is None and (have is None or not have.complete):
                         log.info("re-queueing %s step %d for the %s tier (interrupted before)", job, step, t.name)
                         self._enqueue(t, job, step)
+        await asyncio.to_thread(step_index.rebuild_places, [inv, *lower.values()])
         await self._trim_all()
 
     # ------------------------------------------------------------------ requests
@@ -1051,6 +1053,7 @@ class Agent:
                     os.unlink(tmp)
         alive = self.members.alive()
         inv = await asyncio.to_thread(scan_tier, self.memory, None, with_sizes=True)
+        await asyncio.to_thread(step_index.rebuild_places, [inv])  # replicas that came after their manifest
         held: dict[int, set[str]] = {self.me: set()}
         for job, steps in inv.steps.items():
             for step, st in steps.items():
@@ -1205,6 +1208,7 @@ class Agent:
             if not await self._pull_layout(job, digest, [holder] + sorted(listings)):
                 return False
         await asyncio.to_thread(self.memory.put, mkey, data)
+        await asyncio.to_thread(step_index.note_commit, self.memory, m)
         st["steps"][job] = step
         return True
 
@@ -1267,6 +1271,7 @@ class Agent:
             self._settled[key].set()
             return False
         self._pending.pop(key, None)
+        await asyncio.to_thread(step_index.note_commit, self.memory, m)
         self._seen(job, step)
         self.stats["saves"] += 1
         if self.dis is not None:
@@ -1365,15 +1370,18 @@ class Agent:
                          job, step, tier.name)
                 return
         await asyncio.to_thread(tier.put, mkey, manifest_bytes)
+        await asyncio.to_thread(step_index.note_commit, tier, m)
         dt = time.perf_counter() - t0
         log.info("%s step %d written to %s: %d bytes in %.2f s (%.2f GB/s)", job, step, tier.name,
                  nbytes, dt, nbytes / dt / 1e9 if dt else 0)
 
     # ------------------------------------------------------------------ retention
     def _delete_step(self, tier: Tier, job: str, step: int) -> None:
-        """Manifest first (un-commit), then the shards."""
+        """Index row, manifest (un-commit), the row again (in case another writer put it back), then the shards."""
         prefix = keys.step_prefix(job, step)
+        step_index.note_delete(tier, job, step)
         tier.delete(keys.manifest_key(job, step))
+        step_index.note_delete(tier, job, step)
         for k in tier.list(prefix):
             tier.delete(k)
 

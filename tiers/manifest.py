@@ -229,6 +229,9 @@ class Manifest:
     library: str = "tierckpt"
     #: the format version: 2 when every shard names a layout, else 1 (entries inline); derived when 0
     version: int = 0
+    #: ``xxh3_64:<hex>``: the checksum a version-2 manifest carries of itself, or that of a version-1
+    #: manifest's bytes; set by ``from_bytes`` and ``to_bytes`` (a step index names the manifest by it)
+    checksum: str = field(default="", compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if not self.version:
@@ -258,9 +261,11 @@ class Manifest:
         """Serialise to UTF-8 JSON; version 2 (every shard names a layout) ends with its own checksum."""
         obj = self.to_json()
         body = _dumps(obj)
+        checksum = _self_checksum(body)
+        object.__setattr__(self, "checksum", checksum)
         if obj["version"] < 2:
             return body
-        return body[:-1] + b',"checksum":' + json.dumps(_self_checksum(body)).encode() + b"}"
+        return body[:-1] + b',"checksum":' + json.dumps(checksum).encode() + b"}"
 
     @classmethod
     def from_bytes(cls, data: bytes | memoryview, *, job: str | None = None, step: int | None = None) -> "Manifest":
@@ -277,6 +282,7 @@ class Manifest:
             raise
         except (ValueError, RecursionError) as e:  # also over-long integers
             raise ManifestError(f"malformed manifest: not valid JSON ({e})") from e
+        claimed = None
         if isinstance(obj, dict) and isinstance(obj.get("version"), int) and 2 <= obj["version"] <= MANIFEST_VERSION \
                 and obj.get("format") == MANIFEST_FORMAT:
             claimed = obj.pop("checksum", None)
@@ -289,7 +295,9 @@ class Manifest:
             if _self_checksum(body) != claimed:
                 raise ManifestError("manifest checksum mismatch: its bytes were changed after it was written "
                                     "(damaged or edited); read the step from another tier")
-        return cls.from_json(obj, job=job, step=step)
+        m = cls.from_json(obj, job=job, step=step)
+        object.__setattr__(m, "checksum", claimed or _self_checksum(bytes(data)))
+        return m
 
     @classmethod
     def from_json(cls, obj: Any, *, job: str | None = None, step: int | None = None) -> "Manifest":
