@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
-import json
 import math
 import os
 import random
@@ -44,8 +43,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Iterator
 
-import xxhash
-
+from . import _sealed
 from ._folder import FolderTier
 from .base import Tier
 from .errors import ConditionFailedError, KeyNotFoundError, StepIndexError, TierError
@@ -70,18 +68,6 @@ MAX_INDEX_BYTES = 64 << 20
 _CHECKSUM_PREFIX = "xxh3_64:"
 #: compare-and-swap tries of one update before it gives up (each waits a little longer)
 _CAS_ATTEMPTS = 40
-
-
-def _self_checksum(body: bytes) -> str:
-    return f"{_CHECKSUM_PREFIX}{xxhash.xxh3_64_hexdigest(body)}"
-
-
-def _dumps(obj: dict) -> bytes:
-    return json.dumps(obj, separators=(",", ":"), allow_nan=False).encode()
-
-
-def _refuse_constant(name: str) -> None:
-    raise StepIndexError(f"damaged step index: {name} is not a JSON number")
 
 
 def rank_ranges(ranks: Iterable[int]) -> list[list[int]]:
@@ -225,9 +211,8 @@ class StepIndex:
 
     def to_bytes(self) -> bytes:
         """Canonical JSON ending in its own checksum. Raises StepIndexError when over MAX_INDEX_BYTES."""
-        body = _dumps({"format": INDEX_FORMAT, "version": INDEX_VERSION, "job": self.job,
-                       "rows": [self.rows[s].to_json() for s in sorted(self.rows)]})
-        data = body[:-1] + b',"checksum":' + json.dumps(_self_checksum(body)).encode() + b"}"
+        data, _ = _sealed.seal(_sealed.dumps({"format": INDEX_FORMAT, "version": INDEX_VERSION, "job": self.job,
+                                              "rows": [self.rows[s].to_json() for s in sorted(self.rows)]}))
         if len(data) > MAX_INDEX_BYTES:
             raise StepIndexError(f"the step index of {self.job} would be {len(data)} bytes, over the "
                                  f"{MAX_INDEX_BYTES} limit: lower the retention, or list with --scan")
@@ -236,22 +221,11 @@ class StepIndex:
     @classmethod
     def from_bytes(cls, data: bytes | memoryview, job: str) -> "StepIndex":
         """Parse and check an index of ``job``. Raises StepIndexError for anything damaged or unexpected."""
-        if len(data) > MAX_INDEX_BYTES:
-            raise StepIndexError(f"damaged step index: {len(data)} bytes is over the {MAX_INDEX_BYTES} limit")
-        try:
-            obj = json.loads(bytes(data).decode("utf-8"), parse_constant=_refuse_constant)
-        except StepIndexError:
-            raise
-        except (ValueError, RecursionError) as e:
-            raise StepIndexError(f"damaged step index: not valid JSON ({e})") from e
+        obj = _sealed.loads(data, MAX_INDEX_BYTES, StepIndexError, "damaged step index")
         if not isinstance(obj, dict) or obj.get("format") != INDEX_FORMAT:
             raise StepIndexError("damaged step index: not a tierckpt step index")
         claimed = obj.pop("checksum", None)
-        try:
-            body = _dumps(obj)
-        except (ValueError, TypeError, RecursionError, OverflowError) as e:
-            raise StepIndexError(f"damaged step index: cannot be re-serialised ({e})") from e
-        if not isinstance(claimed, str) or _self_checksum(body) != claimed:
+        if not isinstance(claimed, str) or _sealed.recompute(obj, StepIndexError, "damaged step index") != claimed:
             raise StepIndexError("step index checksum mismatch: damaged or edited after it was written")
         if obj.get("version") != INDEX_VERSION:
             raise StepIndexError(f"step index version {obj.get('version')!r} is not read by this library "
