@@ -46,6 +46,7 @@ import struct
 import time
 from dataclasses import dataclass, field
 
+from recovery import step_index
 from recovery.inventory import scan_tier
 from tiers import keys
 from tiers.base import Tier
@@ -244,6 +245,7 @@ class Agent:
                     if lower[t.name].error is None and not done:
                         log.info("re-queueing %s step %d for the %s tier (interrupted before)", job, step, t.name)
                         self.drain.enqueue(t, job, step)
+        await asyncio.to_thread(step_index.rebuild_places, [inv, *lower.values()])
         await self.drain.trim_all()
 
     # ------------------------------------------------------------------ requests

@@ -24,6 +24,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 
+from recovery import step_index
 from recovery.inventory import scan_tier
 from tiers import keys
 from tiers.base import Tier
@@ -61,9 +62,11 @@ class ByteBudget:
 
 
 def delete_step(tier: Tier, job: str, step: int) -> None:
-    """Manifest first (un-commit), then the shards."""
+    """Index row, manifest (un-commit), the row again (in case another writer put it back), then the shards."""
     prefix = keys.step_prefix(job, step)
+    step_index.note_delete(tier, job, step)
     tier.delete(keys.manifest_key(job, step))
+    step_index.note_delete(tier, job, step)
     for k in tier.list(prefix):
         tier.delete(k)
 
@@ -194,6 +197,7 @@ class Drainer:
                          job, step, tier.name)
                 return
         await asyncio.to_thread(tier.put, mkey, manifest_bytes)
+        await asyncio.to_thread(step_index.note_commit, tier, m)
         dt = time.perf_counter() - t0
         log.info("%s step %d written to %s: %d bytes in %.2f s (%.2f GB/s)", job, step, tier.name,
                  nbytes, dt, nbytes / dt / 1e9 if dt else 0)

@@ -66,6 +66,7 @@ from typing import Any, Awaitable, Callable, Iterable
 
 from aiohttp import web
 
+from recovery import step_index
 from tiers import keys
 from tiers.checksum import Hasher
 from tiers.errors import KeyNotFoundError, ManifestError
@@ -441,8 +442,11 @@ class PeerServer:
             self._from_bytes[(sender, route)] += body
 
     # -- keys ------------------------------------------------------------------------------
-    def _key(self, request: web.Request) -> str:
+    def _key(self, request: web.Request, *, index: bool = False) -> str:
+        """The request's key: a shard, manifest or layout key, or (``index``, reads only) a job's step index."""
         key = request.match_info["key"]
+        if index and keys.parse_index_key(key) is not None:
+            return key
         try:
             ok = len(key) <= MAX_KEY_LEN and (keys.parse_key(key) is not None or keys.parse_layout_key(key) is not None) \
                 and bool(self.memory.path(key))
@@ -498,7 +502,7 @@ class PeerServer:
         return web.json_response(entries, headers={H_MORE: "1" if more else "0"})
 
     async def _get(self, request: web.Request) -> web.StreamResponse:
-        key = self._key(request)
+        key = self._key(request, index=True)
         path = self.memory.path(key)
         try:
             st = os.stat(path)
@@ -511,8 +515,16 @@ class PeerServer:
 
     async def _delete(self, request: web.Request) -> web.Response:
         key = self._key(request)
-        await asyncio.get_running_loop().run_in_executor(self._pool, self.memory.delete, key)
+        await asyncio.get_running_loop().run_in_executor(self._pool, self._delete_key, key)
         return web.Response(status=204)
+
+    def _delete_key(self, key: str) -> None:
+        info = keys.parse_key(key)
+        if info is not None and info.is_manifest:  # the step index never names a step whose manifest is gone
+            step_index.note_delete(self.memory, info.job, info.step)
+        self.memory.delete(key)
+        if info is not None and info.is_manifest:
+            step_index.note_delete(self.memory, info.job, info.step)
 
     def _check_upload(self, request: web.Request, key: str) -> tuple[int, str | None]:
         """The upload's size and expected checksum, or raise _Refused before any body is read."""

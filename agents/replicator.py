@@ -48,6 +48,7 @@ import time
 import zlib
 from collections.abc import Callable, Iterable
 
+from recovery import step_index
 from recovery.inventory import scan_tier
 from tiers import keys
 from tiers.checksum import checksum_file
@@ -535,6 +536,7 @@ class Replicator:
                     os.unlink(tmp)
         alive = self.members.alive()
         inv = await asyncio.to_thread(scan_tier, self.memory, None, with_sizes=True)
+        await asyncio.to_thread(step_index.rebuild_places, [inv])  # replicas that came after their manifest
         held: dict[int, set[str]] = {self.me: set()}
         for job, steps in inv.steps.items():
             for step, st in steps.items():

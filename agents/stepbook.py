@@ -27,6 +27,7 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
+from recovery import step_index
 from tiers import keys
 from tiers.errors import ManifestError
 from tiers.manifest import JsonEntry, Manifest, ShardInfo
@@ -280,4 +281,5 @@ class StepBook:
         if self.tree is not None:
             self.tree.committed(job, step, data)
         await self.on_commit(m)
+        await asyncio.to_thread(step_index.note_commit, self.memory, m)
         return True

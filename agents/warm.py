@@ -22,6 +22,7 @@ import logging
 import os
 import time
 
+from recovery import step_index
 from tiers import keys
 from tiers.errors import ManifestError, TierError
 from tiers.layout import Layout
@@ -174,6 +175,7 @@ class WarmRestore:
             if not await self._pull_layout(job, digest, [holder] + sorted(listings)):
                 return False
         await asyncio.to_thread(self.memory.put, mkey, data)
+        await asyncio.to_thread(step_index.note_commit, self.memory, m)
         st["steps"][job] = step
         return True
 

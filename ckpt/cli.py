@@ -29,8 +29,10 @@ from recovery import (
 )
 from recovery.costs import node_costs
 from recovery.fetch import ShardUnavailableError
+from recovery import step_index
 from recovery.inventory import StepInTier, TierInventory, stale_steps
 from recovery.planner import complete_steps
+from recovery.step_index import PlaceStep, index_disagreements, list_places, restorable_steps
 from tiers import keys
 from tiers.base import Tier
 from tiers.checksum import checksum_bytes
@@ -125,19 +127,25 @@ def _table(rows: list[list[str]]) -> str:
 
 def _inventories(s: Settings, job: str):
     invs = scan_tiers(_tiers(s))
-    for inv in invs:
-        if inv.error is not None:
-            print(f"ckpt: warning: the {inv.name} tier could not be listed: {inv.error}", file=sys.stderr)
-    if not any(inv.job(job) for inv in invs):
-        reachable = [inv for inv in invs if inv.error is None]
+    _require_job(job, invs, any(inv.job(job) for inv in invs), lambda inv: inv.steps)
+    return invs
+
+
+def _require_job(job: str, places: list, found: bool, jobs_in) -> None:
+    """Warn of each place that could not be listed; raise unless ``found`` (``jobs_in(place)``: the jobs a
+    reachable place holds, named in the message)."""
+    for p in places:
+        if p.error is not None:
+            print(f"ckpt: warning: the {p.name} tier could not be listed: {p.error}", file=sys.stderr)
+    if not found:
+        reachable = [p for p in places if p.error is None]
         if not reachable:
             raise CliError("no tier could be reached; see the warnings above")
-        others = sorted({j for inv in reachable for j in inv.steps})
+        others = sorted({j for p in reachable for j in jobs_in(p)})
         known = f"jobs there: {', '.join(others[:10])}" if others else "no job is there"
         raise JobNotFoundError(
-            f"no checkpoint of job {job!r} in {', '.join(i.tier.describe() for i in reachable)} ({known}): "
+            f"no checkpoint of job {job!r} in {', '.join(p.tier.describe() for p in reachable)} ({known}): "
             "check the job name and --shm/--disk/--s3")
-    return invs
 
 
 # ---------------------------------------------------------------------- commands
@@ -202,7 +210,14 @@ written last in every place, so a place holding it has committed the step.
   partial         shards without a manifest: not committed here (in flight, or cut short)
   bad manifest    a manifest that could not be read or parsed
   -               nothing of the step;   ?  the tier could not be listed
-restorable: the manifest is in some tier shown and every shard can be read from one.
+restorable: every shard is held, at its size, by a tier shown that committed the same manifest as
+the first tier holding the step.
+
+Each tier's step index (one object per job and place, kept by whoever commits or deletes a step
+there) is read instead of every manifest; a tier whose index is absent, damaged or unreadable is
+scanned instead, and the command says so. The index lists committed steps only (no `partial` rows),
+as they were when committed; `--scan` reads every manifest and looks at every shard, as `ckpt
+verify` does (which also reports where an index disagrees; `ckpt gc JOB` rewrites it).
 """
 
 
@@ -215,41 +230,47 @@ def _node_of(a: argparse.Namespace, inv: TierInventory) -> int | None:
     return getattr(a, "agent_node", None) if isinstance(inv.tier, (MemoryTier, DiskTier)) else None
 
 
-def _place_state(inv: TierInventory, st: StepInTier, node: int | None) -> str:
+def _place_state(shared: bool, st: PlaceStep, node: int | None) -> str:
     """One cell of ``ckpt list``: see LIST_HELP. ``node``: the node the place belongs to, if known."""
-    if st.manifest is None:
+    row = st.row
+    if row is None:
         return "bad manifest" if st.committed else "partial"
-    if st.complete:
+    if row.complete:
         return "complete"
-    if st.missing_ranks(inv.shared, node):
+    if row.missing_ranks(shared, node):
         return "missing shards"
-    if not st.shards:
+    if not row.held | row.stray:
         return "manifest only"
-    return "node " + ",".join(str(n) for n in sorted(st.nodes_complete))
+    return "node " + ",".join(str(n) for n in sorted(row.nodes_complete))
 
 
 def cmd_list(a: argparse.Namespace) -> int:
     job = keys.check_job(a.job)
     s = _settings(a)
-    invs = _inventories(s, job)
-    steps = sorted({st for inv in invs for st in inv.job(job)}, reverse=True)
+    places = list_places(_tiers(s), job, scan=a.scan)
+    _require_job(job, places, any(p.steps for p in places), lambda p: ())
+    for p in places:
+        if p.error is None and p.note:
+            print(f"ckpt: the {p.name} tier ({p.tier.describe()}): {p.note}; read every manifest there instead",
+                  file=sys.stderr)
+    steps = sorted({st for p in places for st in p.steps}, reverse=True)
     now = time.time()
-    rows = [["step"] + [inv.name for inv in invs] + ["size", "age", "restorable"]]
-    restorable = set(complete_steps(invs, job))
+    rows = [["step"] + [p.name for p in places] + ["size", "age", "restorable"]]
+    restorable = restorable_steps(places)
     for step in steps:
         row = [str(step)]
         size, created = 0, 0.0
-        for inv in invs:
-            st = inv.job(job).get(step)
-            if inv.error is not None:
+        for p in places:
+            st = p.steps.get(step)
+            if p.error is not None:
                 row.append("?")
             elif st is None:
                 row.append("-")
             else:
-                row.append(_place_state(inv, st, _node_of(a, inv)))
-                if st.manifest is not None:
-                    size = size or st.manifest.total_bytes
-                    created = created or st.manifest.created
+                row.append(_place_state(p.shared, st, _node_of(a, p)))
+                if st.row is not None:
+                    size = size or st.row.bytes
+                    created = created or st.row.created
         row += [_fmt_bytes(size) if size else "?", _fmt_age(now - created) if created else "?",
                 "yes" if step in restorable else "no"]
         rows.append(row)
@@ -333,7 +354,22 @@ def cmd_verify(a: argparse.Namespace) -> int:
                 except (TierError, OSError) as e:
                     rows.append([str(step), inv.name, str(sh.rank), f"unreadable: {e}"])
                     bad += 1
+    stale = 0
+    for inv in invs:
+        if inv.error is not None:
+            continue
+        problem, diffs = index_disagreements(inv.tier, job, inv.job(job))
+        if problem and problem != "no step index":
+            rows.append(["-", inv.name, "-", problem])
+            stale += 1
+        for step, why in sorted(diffs.items()):
+            if a.step is None or step == a.step:
+                rows.append([str(step), inv.name, "-", f"step index: {why}"])
+                stale += 1
     print(_table(rows))
+    if stale:
+        print(f"ckpt: the step index disagrees with the objects {stale} time(s): `ckpt list` shows what the index "
+              f"says (restores never read it); `ckpt gc {job}` rewrites it", file=sys.stderr)
     if bad:
         print(f"ckpt: {bad} problem(s) found; a restore will read another tier where one is intact", file=sys.stderr)
         return EXIT_CORRUPT
@@ -380,7 +416,9 @@ def _remove(tier: Tier, job: str, step: int, st: StepInTier, stale: bool) -> int
             freed += tier.stat(mkey).size
         except KeyNotFoundError:
             pass
+        step_index.note_delete(tier, job, step)
         tier.delete(mkey)
+        step_index.note_delete(tier, job, step)
     for k in tier.list(keys.step_prefix(job, step)):
         if not (stale and k == mkey):
             tier.delete(k)
@@ -413,6 +451,7 @@ def cmd_gc(a: argparse.Namespace) -> int:
     for i, inv in enumerate(invs):
         steps = sorted(st for j, st in doomed if j == i)
         freed = removed = 0
+        gone: set[int] = set()
         for step in steps:
             got = _remove(inv.tier, job, step, inv.job(job)[step], stale=not explicit)
             if got is None:
@@ -421,13 +460,20 @@ def cmd_gc(a: argparse.Namespace) -> int:
             print(f"removed step {step} from {inv.name} ({_fmt_bytes(got)})")
             freed += got
             removed += 1
+            gone.add(step)
+        emptied = a.all and inv.error is None and removed == len(inv.job(job))
+        if inv.error is None and not emptied:
+            # the index of this place, made to say what the scan found less what was just removed
+            step_index.rebuild(inv.tier, job, {s: st for s, st in inv.job(job).items() if s not in gone})
         if removed:
             print(f"freed {_fmt_bytes(freed)} in {inv.name} ({inv.tier.describe()}): {removed} step(s)")
-        if a.all and inv.error is None and removed == len(inv.job(job)):
+        if emptied:
             # every step is gone from this tier: the layouts they named go with them
             layouts = inv.tier.list(keys.layouts_prefix(job))
             for k in layouts:
                 inv.tier.delete(k)
+            if step_index.keeps_index(inv.tier):
+                inv.tier.delete(keys.index_key(job))
             if layouts:
                 print(f"removed {len(layouts)} layout object(s) of {job} from {inv.name}")
         if isinstance(inv.tier, MemoryTier) and inv.error is None:
@@ -596,6 +642,9 @@ def build_parser() -> argparse.ArgumentParser:
         sp.add_argument("job")
         if name != "list":
             sp.add_argument("--step", type=int)
+        else:
+            sp.add_argument("--scan", action="store_true",
+                            help="read every manifest and look at every shard instead of each tier's step index")
         if name == "gc":
             sp.add_argument("--all", action="store_true", help="remove every step of the job from every tier shown")
             sp.add_argument("--force", action="store_true",

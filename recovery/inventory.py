@@ -39,11 +39,13 @@ from typing import Mapping
 from tiers import keys
 from tiers.base import Tier
 from tiers.errors import KeyNotFoundError, ManifestError, TierError
+from tiers.index import StepRow
 from tiers.manifest import Manifest
 
 from .costs import source_name
 
-__all__ = ["SHARED_TIERS", "StepInTier", "TierInventory", "read_manifest", "scan_tier", "scan_tiers", "stale_steps"]
+__all__ = ["SHARED_TIERS", "StepInTier", "TierInventory", "in_parallel", "read_manifest", "scan_tier", "scan_tiers",
+           "stale_steps"]
 
 #: tiers every node of a job writes to: a step committed there must be job-complete
 SHARED_TIERS = frozenset({"s3"})
@@ -72,16 +74,24 @@ class StepInTier:
         return self.has_manifest
 
     @property
+    def row(self) -> StepRow | None:
+        """What this place holds of the step, as a step index row (the one place the rules below are computed);
+        None without a valid manifest."""
+        m = self.manifest
+        if m is None:
+            return None
+        return StepRow.of(m, [s.rank for s in m.shards if self.shards.get(s.rank) == s.size],
+                          [s.rank for s in m.shards if s.rank in self.shards])
+
+    @property
     def complete(self) -> bool:
         """Job-complete: manifest present and valid, and all ``world`` shards present at the sizes it names.
 
         What the shared S3 prefix must hold; a node's own memory or disk folder
         need only be :meth:`node_complete`.
         """
-        m = self.manifest
-        if m is None:
-            return False
-        return all(self.shards.get(s.rank) == s.size for s in m.shards)
+        row = self.row
+        return row is not None and row.complete
 
     def node_complete(self, node: int) -> bool:
         """Node-complete for ``node``: manifest valid, and every shard that node took present at its size.
@@ -94,14 +104,8 @@ class StepInTier:
     @property
     def nodes_complete(self) -> set[int]:
         """The nodes whose every shard (by ``ShardInfo.node``) is here at its size; empty without a valid manifest."""
-        m = self.manifest
-        if m is None:
-            return set()
-        out: set[int] = set()
-        missing: set[int] = set()
-        for s in m.shards:
-            (out if self.shards.get(s.rank) == s.size else missing).add(s.node)
-        return out - missing
+        row = self.row
+        return set() if row is None else row.nodes_complete
 
     def expected_ranks(self, shared: bool, node: int | None = None) -> list[int]:
         """Ranks whose shards this place should hold for the step, by its manifest (empty without one).
@@ -113,20 +117,13 @@ class StepInTier:
         of each node of which it holds any shard; another node's shards are
         not missing here.
         """
-        m = self.manifest
-        if m is None:
-            return []
-        if shared:
-            return [s.rank for s in m.shards]
-        held = {s.node for s in m.shards if s.rank in self.shards} | ({node} if node is not None else set())
-        return [s.rank for s in m.shards if s.node in held]
+        row = self.row
+        return [] if row is None else row.expected_ranks(shared, node)
 
     def missing_ranks(self, shared: bool, node: int | None = None) -> list[int]:
         """Of :meth:`expected_ranks`, those not here at the size the manifest names."""
-        m = self.manifest
-        if m is None:
-            return []
-        return [r for r in self.expected_ranks(shared, node) if self.shards.get(r) != m.shard(r).size]
+        row = self.row
+        return [] if row is None else row.missing_ranks(shared, node)
 
     @property
     def nbytes(self) -> int:
@@ -148,6 +145,8 @@ class TierInventory:
     latency: float | None = None
     #: per job, the digests of the layout objects the tier holds
     layouts: dict[str, set[str]] = field(default_factory=dict)
+    #: the jobs that have a step index in the tier
+    indexed: set[str] = field(default_factory=set)
 
     @property
     def name(self) -> str:
@@ -209,6 +208,8 @@ def scan_tier(tier: Tier, job: str | None = None, *, with_sizes: bool = True) ->
             lay = keys.parse_layout_key(key)
             if lay is not None:
                 inv.layouts.setdefault(lay[0], set()).add(lay[1])
+            elif keys.parse_index_key(key) is not None:
+                inv.indexed.add(keys.parse_index_key(key))
             continue
         st = inv.steps.setdefault(info.job, {}).setdefault(info.step, StepInTier(info.job, info.step))
         if info.is_manifest:
@@ -255,17 +256,30 @@ def scan_tiers(tiers: list[Tier], job: str | None = None, timeout: float = 30.0)
     returns after at most about ``timeout`` seconds however many tiers hang.
     An error other than a tier's own (a bug) is raised here.
     """
-    results: list[TierInventory | BaseException | None] = [None] * len(tiers)
+    return in_parallel(tiers, lambda t: scan_tier(t, job), _timed_out, timeout)
 
-    def scan(i: int, t: Tier) -> None:
+
+def _timed_out(t: Tier, e: TimeoutError) -> TierInventory:
+    return TierInventory(t, error=e)
+
+
+def in_parallel(tiers: list[Tier], fn, timed_out, timeout: float) -> list:
+    """``fn(tier)`` for every tier at once, in the given order; ``timed_out(tier, TimeoutError)`` stands for
+    each call still running ``timeout`` seconds after the start (left behind, never joined). An exception
+    ``fn`` raises is raised here."""
+    results: list = [None] * len(tiers)
+    done = [False] * len(tiers)
+
+    def run(i: int, t: Tier) -> None:
         try:
-            results[i] = scan_tier(t, job)
+            results[i] = fn(t)
         except BaseException as e:  # noqa: BLE001 - raised in the caller's thread below
             results[i] = e
+        done[i] = True
 
     # Daemon threads rather than an executor: an executor's workers are joined
     # when the interpreter exits, so a hung tier would still hold the process.
-    threads = [threading.Thread(target=scan, args=(i, t), name=f"tierckpt-scan-{t.name}", daemon=True)
+    threads = [threading.Thread(target=run, args=(i, t), name=f"tierckpt-scan-{t.name}", daemon=True)
                for i, t in enumerate(tiers)]
     deadline = time.monotonic() + timeout
     for th in threads:
@@ -273,11 +287,10 @@ def scan_tiers(tiers: list[Tier], job: str | None = None, timeout: float = 30.0)
     for th in threads:
         th.join(max(0.0, deadline - time.monotonic()))
     out = []
-    for t, r in zip(tiers, list(results)):
-        if isinstance(r, BaseException):
+    for i, (t, r) in enumerate(zip(tiers, list(results))):
+        if not done[i]:  # still running: left behind
+            r = timed_out(t, TimeoutError(f"the {t.name} tier ({source_name(t)}) did not answer within {timeout:g} s"))
+        elif isinstance(r, BaseException):
             raise r
-        if r is None:  # still scanning: left behind
-            r = TierInventory(t)
-            r.error = TimeoutError(f"the {t.name} tier ({source_name(t)}) did not answer within {timeout:g} s")
         out.append(r)
     return out

@@ -36,6 +36,32 @@ def ckpt_cmd(*args: str, check: bool = False, timeout: float = 120) -> subproces
     return p
 
 
+#: run in a child process: the ``ckpt`` CLI under an audit hook that counts the manifest and step index files
+#: it opens, printed as ``OPENED {...}`` on stderr at exit
+_COUNTING_CKPT = """
+import atexit, json, sys
+opened = {"manifests": 0, "indexes": 0}
+def hook(event, args):
+    if event == "open" and isinstance(args[0], str):
+        if args[0].endswith("/manifest.json"): opened["manifests"] += 1
+        elif args[0].endswith("/index.json"): opened["indexes"] += 1
+sys.addaudithook(hook)
+atexit.register(lambda: print("OPENED " + json.dumps(opened), file=sys.stderr))
+from ckpt.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def ckpt_counting_opens(*args: str, timeout: float = 600) -> tuple[subprocess.CompletedProcess, dict[str, int]]:
+    """Run the ``ckpt`` CLI as :func:`ckpt_cmd` does; also return how many manifest and step index files it
+    opened (``{"manifests": n, "indexes": n}``)."""
+    p = subprocess.run([sys.executable, "-c", _COUNTING_CKPT, *args], capture_output=True, text=True, env=env(),
+                       timeout=timeout)
+    opened = json.loads(p.stderr.split("OPENED ", 1)[1].splitlines()[0])
+    p.stderr = "\n".join(ln for ln in p.stderr.splitlines() if not ln.startswith("OPENED "))
+    return p, opened
+
+
 def start_agent(shm: str, *args: str, log: str | None = None, extra_env: dict | None = None) -> subprocess.Popen:
     """Start ``ckpt agent --shm SHM ARGS`` and wait until it answers; its output goes to ``proc.log_path``."""
     log = log or os.path.join(os.path.dirname(shm), f"agent-{time.monotonic_ns()}.log")

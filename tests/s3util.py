@@ -10,6 +10,8 @@
 
 from __future__ import annotations
 
+import os
+import re
 import socket
 import struct
 import subprocess
@@ -21,7 +23,8 @@ import urllib.error
 import urllib.request
 from urllib.parse import urlsplit
 
-__all__ = ["FAKE_AWS_ENV", "free_port", "start_moto_server", "stop_moto_server", "FaultProxy"]
+__all__ = ["FAKE_AWS_ENV", "free_port", "start_moto_server", "stop_moto_server", "FaultProxy", "server_log_size",
+           "server_requests"]
 
 #: credentials and region for a fake endpoint; nothing here can reach real AWS
 FAKE_AWS_ENV = {
@@ -90,6 +93,27 @@ def stop_moto_server(proc: subprocess.Popen) -> None:
     log = getattr(proc, "log", None)
     if log is not None and not log.closed:
         log.close()
+
+
+def server_log_size(proc: subprocess.Popen) -> int:
+    """Where the request log of a server from :func:`start_moto_server` ends now (for :func:`server_requests`)."""
+    return os.fstat(proc.log.fileno()).st_size
+
+
+def server_requests(proc: subprocess.Popen, since: int, settle: float = 0.3) -> dict[str, int]:
+    """Requests the server logged after byte ``since`` of its log, by kind: GET, HEAD, PUT, DELETE, POST, or
+    LIST (a bucket listing), after ``settle`` seconds for the log to catch up."""
+    time.sleep(settle)
+    proc.log.seek(since)
+    out: dict[str, int] = {}
+    for line in proc.log.read().decode(errors="replace").splitlines():
+        line = re.sub(r"\x1b\[[0-9;]*m", "", line)  # the server colours some status lines
+        m = re.search(r'"(GET|HEAD|PUT|DELETE|POST) /[^ ]*?(\?list-type=2[^ ]*)? HTTP', line)
+        if m:
+            kind = "LIST" if m.group(2) else m.group(1)
+            out[kind] = out.get(kind, 0) + 1
+    proc.log.seek(0, os.SEEK_END)
+    return out
 
 
 def _reset(sock: socket.socket) -> None:

@@ -14,6 +14,9 @@ __all__ = [
     "ChecksumMismatchError",
     "ManifestError",
     "InvalidNameError",
+    "StepIndexError",
+    "ConditionFailedError",
+    "ConditionalWriteUnsupportedError",
 ]
 
 
@@ -43,3 +46,15 @@ class ManifestError(ValueError):
 
 class InvalidNameError(ValueError):
     """A job name, step or rank is not acceptable as part of a key."""
+
+
+class StepIndexError(ValueError):
+    """A step index is malformed, damaged, too large or of an unknown version: read the manifests instead."""
+
+
+class ConditionFailedError(TierError):
+    """A conditional write lost: the object changed (or appeared) since it was read. Read it again and retry."""
+
+
+class ConditionalWriteUnsupportedError(TierError):
+    """The store refuses conditional writes (``If-Match`` / ``If-None-Match``)."""

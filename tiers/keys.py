@@ -6,6 +6,9 @@ Layout, identical in every tier (memory folder, disk folder, S3 prefix, peer)::
     <job>/step-<N>/manifest.json      the step's index; written last (commit point)
     <job>/layouts/<digest>.layout     one rank's chunk list (Parquet), stored once and
                                       shared by every step (and rank) that saved it
+    <job>/index.json                  the job's step index in this place: one row per step
+                                      committed here (see :mod:`tiers.index`); two parts, so
+                                      never taken for a step's key
 
 Keys use ``/`` as separator in every tier; a tier maps them onto its own
 namespace (a path below its root folder, an object name below its prefix).
@@ -34,10 +37,14 @@ __all__ = [
     "layouts_prefix",
     "parse_layout_key",
     "check_digest",
+    "INDEX_NAME",
+    "index_key",
+    "parse_index_key",
 ]
 
 JOB_RE = re.compile(r"^[A-Za-z0-9._-]{1,128}\Z")
 MANIFEST_NAME = "manifest.json"
+INDEX_NAME = "index.json"
 #: the largest step and rank a key can carry (what ``parse_key`` reads back)
 MAX_STEP = 10**18 - 1
 MAX_RANK = 10**9 - 1
@@ -119,6 +126,19 @@ def parse_layout_key(key: str) -> tuple[str, str] | None:
         return None
     m = _LAYOUT_RE.match(name)
     return (job, m.group(1)) if m else None
+
+
+def index_key(job: str) -> str:
+    """Key of the job's step index in a place."""
+    return f"{job_prefix(job)}{INDEX_NAME}"
+
+
+def parse_index_key(key: str) -> str | None:
+    """The job whose step index ``key`` names; None for anything else."""
+    parts = key.split("/")
+    if len(parts) != 2 or parts[1] != INDEX_NAME or not JOB_RE.match(parts[0]) or parts[0] in (".", ".."):
+        return None
+    return parts[0]
 
 
 @dataclass(frozen=True)

@@ -31,14 +31,12 @@ hostile manifest is refused rather than half-used.
 
 from __future__ import annotations
 
-import json
 import math
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
-import xxhash
-
+from . import _sealed
 from .errors import InvalidNameError, ManifestError
 from .keys import check_digest, check_job, check_step
 
@@ -65,10 +63,6 @@ DTYPE_SIZES: dict[str, int] = {
     "uint16": 2, "uint32": 4, "uint64": 8, "bool": 1,
     "float8_e4m3fn": 1, "float8_e5m2": 1, "float8_e4m3fnuz": 1, "float8_e5m2fnuz": 1,
 }
-
-
-def _refuse_constant(name: str) -> None:
-    raise ManifestError(f"malformed manifest: {name} is not a JSON number")
 
 
 def _need(obj: dict, name: str, kind: type | tuple[type, ...], where: str) -> Any:
@@ -229,6 +223,9 @@ class Manifest:
     library: str = "tierckpt"
     #: the format version: 2 when every shard names a layout, else 1 (entries inline); derived when 0
     version: int = 0
+    #: ``xxh3_64:<hex>``: the checksum a version-2 manifest carries of itself, or that of a version-1
+    #: manifest's bytes; set by ``from_bytes`` and ``to_bytes`` (a step index names the manifest by it)
+    checksum: str = field(default="", compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if not self.version:
@@ -257,10 +254,10 @@ class Manifest:
     def to_bytes(self) -> bytes:
         """Serialise to UTF-8 JSON; version 2 (every shard names a layout) ends with its own checksum."""
         obj = self.to_json()
-        body = _dumps(obj)
-        if obj["version"] < 2:
-            return body
-        return body[:-1] + b',"checksum":' + json.dumps(_self_checksum(body)).encode() + b"}"
+        body = _sealed.dumps(obj)
+        sealed, checksum = _sealed.seal(body)
+        object.__setattr__(self, "checksum", checksum)
+        return body if obj["version"] < 2 else sealed
 
     @classmethod
     def from_bytes(cls, data: bytes | memoryview, *, job: str | None = None, step: int | None = None) -> "Manifest":
@@ -269,27 +266,19 @@ class Manifest:
         Raises ManifestError for anything malformed, of another format or of a
         newer version than this library reads.
         """
-        if len(data) > MAX_MANIFEST_BYTES:
-            raise ManifestError(f"malformed manifest: {len(data)} bytes is over the {MAX_MANIFEST_BYTES} limit")
-        try:
-            obj = json.loads(bytes(data).decode("utf-8"), parse_constant=_refuse_constant)
-        except ManifestError:
-            raise
-        except (ValueError, RecursionError) as e:  # also over-long integers
-            raise ManifestError(f"malformed manifest: not valid JSON ({e})") from e
+        obj = _sealed.loads(data, MAX_MANIFEST_BYTES, ManifestError, "malformed manifest")
+        claimed = None
         if isinstance(obj, dict) and isinstance(obj.get("version"), int) and 2 <= obj["version"] <= MANIFEST_VERSION \
                 and obj.get("format") == MANIFEST_FORMAT:
             claimed = obj.pop("checksum", None)
             if not isinstance(claimed, str):
                 raise ManifestError("malformed manifest: version 2 without its own checksum")
-            try:
-                body = _dumps(obj)
-            except (ValueError, TypeError, RecursionError, OverflowError) as e:
-                raise ManifestError(f"malformed manifest: cannot be re-serialised ({e})") from e
-            if _self_checksum(body) != claimed:
+            if _sealed.recompute(obj, ManifestError, "malformed manifest") != claimed:
                 raise ManifestError("manifest checksum mismatch: its bytes were changed after it was written "
                                     "(damaged or edited); read the step from another tier")
-        return cls.from_json(obj, job=job, step=step)
+        m = cls.from_json(obj, job=job, step=step)
+        object.__setattr__(m, "checksum", claimed or _sealed.checksum_of(bytes(data)))
+        return m
 
     @classmethod
     def from_json(cls, obj: Any, *, job: str | None = None, step: int | None = None) -> "Manifest":
@@ -347,14 +336,6 @@ class Manifest:
             raise ManifestError("malformed manifest: created must be a time in seconds since 1970")
         return cls(m_job, m_step, world, tuple(shards), metadata, float(created),
                    str(obj.get("library", "")), version)
-
-
-def _dumps(obj: dict) -> bytes:
-    return json.dumps(obj, separators=(",", ":"), allow_nan=False).encode()
-
-
-def _self_checksum(body: bytes) -> str:
-    return f"xxh3_64:{xxhash.xxh3_64_hexdigest(body)}"
 
 
 def _values(rows: Any, where: str) -> list[JsonEntry]:

@@ -47,7 +47,7 @@ from tenacity import Retrying, retry_if_exception, stop_after_attempt, wait_expo
 from .base import ObjectInfo, Source, TierBase
 from .checksum import checksum_bytes
 from .errors import ChecksumMismatchError, KeyNotFoundError, TierError, TierFullError, TierUnavailableError
-from .keys import parse_key, parse_layout_key
+from .keys import parse_index_key, parse_key, parse_layout_key
 from .wire import (
     H_CHECKSUM,
     H_MORE,
@@ -84,8 +84,8 @@ def parse_addr(addr: str) -> tuple[str, int]:
 
 
 def _known(key: str) -> bool:
-    """A shard, manifest or layout key."""
-    return parse_key(key) is not None or parse_layout_key(key) is not None
+    """A shard, manifest, layout or step index key (a peer answers only reads of the last)."""
+    return parse_key(key) is not None or parse_layout_key(key) is not None or parse_index_key(key) is not None
 
 
 def _check_key(key: str) -> str:

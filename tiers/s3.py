@@ -15,6 +15,12 @@
   says which endpoint and bucket could not be reached. botocore's own retries
   are off so that one policy, this one, applies.
 
+Besides the ``Tier`` methods, two that only the step index uses (:mod:`tiers.index`):
+``get_tagged`` (an object and its ETag) and ``put_if`` (a PUT with ``If-Match`` of
+that ETag, or ``If-None-Match: *`` to create), so several nodes can update one
+shared object without losing each other's changes. A store that ignores those
+headers instead of refusing them cannot be told apart here.
+
 A multipart upload cut short by an outage may leave its parts behind in the
 bucket (S3 bills them until aborted): give the bucket a lifecycle rule that
 aborts incomplete multipart uploads after a day.
@@ -55,7 +61,13 @@ from tenacity import (
 )
 
 from .base import ObjectInfo, Source, TierBase
-from .errors import KeyNotFoundError, TierError, TierUnavailableError
+from .errors import (
+    ConditionalWriteUnsupportedError,
+    ConditionFailedError,
+    KeyNotFoundError,
+    TierError,
+    TierUnavailableError,
+)
 
 __all__ = ["S3Tier"]
 
@@ -70,6 +82,8 @@ _TRANSIENT_CODES = frozenset({
     "OperationAborted",
 })
 _MISSING_CODES = frozenset({"NoSuchKey", "NotFound", "404"})
+#: a conditional write that lost to another writer (409: a concurrent one still in flight)
+_CONDITION_CODES = frozenset({"PreconditionFailed", "ConditionalRequestConflict"})
 _DENIED_CODES = frozenset({
     "AccessDenied", "403", "Forbidden", "InvalidAccessKeyId", "SignatureDoesNotMatch",
     "ExpiredToken", "InvalidToken", "AllAccessDisabled", "AccountProblem",
@@ -503,6 +517,57 @@ class S3Tier(TierBase):
         name = self._name(key)
         resp = self._call(f"stat {key}", lambda: self._client.head_object(Bucket=self.bucket, Key=name), key)
         return ObjectInfo(key, int(resp["ContentLength"]), resp["LastModified"].timestamp())
+
+    # -- conditional writes: not part of the Tier contract; the step index uses them ------------
+    def get_tagged(self, key: str, max_bytes: int | None = None) -> tuple[bytes | None, str]:
+        """The whole object ``key`` and its ETag, from one GET; the bytes are None when the object is larger
+        than ``max_bytes`` (its ETag still lets a ``put_if`` replace it). Raises KeyNotFoundError if absent.
+        """
+        name = self._name(key)
+
+        def attempt() -> tuple[bytes | None, str]:
+            resp = self._client.get_object(Bucket=self.bucket, Key=name)
+            body = resp["Body"]
+            try:
+                size = int(resp["ContentLength"])
+                if max_bytes is not None and size > max_bytes:
+                    return None, str(resp.get("ETag", ""))
+                data = body.read()
+                if len(data) != size:
+                    raise IncompleteReadError(actual_bytes=len(data), expected_bytes=size)
+            finally:
+                body.close()
+            return data, str(resp.get("ETag", ""))
+
+        return self._call(f"get {key}", attempt, key)
+
+    def put_if(self, key: str, data: bytes, etag: str | None) -> str:
+        """Store ``data`` as ``key`` only if the object still has ``etag`` (with None: only if absent).
+
+        One PUT with ``If-Match`` (or ``If-None-Match: *``); returns the new ETag.
+        Raises ConditionFailedError when another writer changed or created the
+        object first (read it again and retry), ConditionalWriteUnsupportedError
+        when the store refuses those headers, and the usual tier errors.
+        """
+        name = self._name(key)
+        cond = {"IfMatch": etag} if etag is not None else {"IfNoneMatch": "*"}
+
+        def attempt() -> str:
+            try:
+                resp = self._client.put_object(Bucket=self.bucket, Key=name, Body=bytes(data), **cond)
+            except ClientError as e:
+                code, status = _code_status(e)
+                if code in _CONDITION_CODES or status in (409, 412):
+                    raise ConditionFailedError(errno.EAGAIN, f"{key} changed since it was read") from e
+                if etag is not None and (code in _MISSING_CODES or status == 404):
+                    raise ConditionFailedError(errno.EAGAIN, f"{key} was deleted since it was read") from e
+                if code == "NotImplemented" or status == 501:
+                    raise ConditionalWriteUnsupportedError(
+                        errno.ENOTSUP, f"{self.describe()} refuses conditional writes ({_describe_error(e)})") from e
+                raise
+            return str(resp.get("ETag", ""))
+
+        return self._call(f"put {key}", attempt, key)
 
     def check(self) -> None:
         """Verify that the bucket exists and is reachable with these credentials.
