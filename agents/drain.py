@@ -19,7 +19,9 @@ Shard bytes in flight, here and in replication, are bounded by one
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
+import functools
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -90,6 +92,16 @@ class Drainer:
         self.tiers: dict[str, Tier] = {}
         self._queues: dict[str, asyncio.Queue] = {}
         self._workers: list[asyncio.Task] = []
+        # disk and S3 calls get threads of their own: an S3 put may retry for a minute in an outage, and
+        # parked in the default executor it would starve the trainers' begin and commit and the file opens
+        # of the peer server (which use it), so an S3 outage would stall saves and replication
+        self._pool = concurrent.futures.ThreadPoolExecutor(8, thread_name_prefix="tierckpt-drain")
+
+    async def _run(self, tier: Tier, fn: Callable, *args):
+        """Run a blocking call on ``tier``: memory's in the default executor, disk's and S3's in the drain threads."""
+        if tier is self.memory:
+            return await asyncio.to_thread(fn, *args)
+        return await asyncio.get_running_loop().run_in_executor(self._pool, functools.partial(fn, *args))
 
     def start(self, lower: list[Tier]) -> None:
         """One queue and one worker per lower tier."""
@@ -101,6 +113,7 @@ class Drainer:
     def stop(self) -> None:
         for w in self._workers:
             w.cancel()
+        self._pool.shutdown(wait=False, cancel_futures=True)
 
     def busy(self) -> bool:
         """Whether a step is queued or being written."""
@@ -176,7 +189,7 @@ class Drainer:
             n = await self.budget.acquire(size)
             try:
                 src = self.memory.path(keys.shard_key(job, step, rank))
-                await asyncio.to_thread(tier.put, keys.shard_key(job, step, rank), src)
+                await self._run(tier, tier.put, keys.shard_key(job, step, rank), src)
             finally:
                 await self.budget.release(n)
 
@@ -185,19 +198,19 @@ class Drainer:
             return  # this node took no shard of the step from a trainer: nothing of it is this node's to write
         # layouts first (once per tier), then shards, then the manifest: what a manifest names is always there
         for digest in sorted({s.layout for s in mine if s.layout}):
-            await self.layouts.ensure(tier.name, tier, job, digest)
+            await self.layouts.ensure(tier.name, tier, job, digest, run=functools.partial(self._run, tier))
         await asyncio.gather(*(one(s.rank, s.size) for s in mine))
         nbytes = sum(s.size for s in mine)
         if tier.name == "s3" and len(mine) < len(m.shards):
             # a shared bucket: the manifest goes in once every node's shards are there; the last node to
             # finish sees them all (S3 lists are strongly consistent) and commits the step
-            present = set(await asyncio.to_thread(tier.list, keys.step_prefix(job, step)))
+            present = set(await self._run(tier, tier.list, keys.step_prefix(job, step)))
             if not all(keys.shard_key(job, step, s.rank) in present for s in m.shards):
                 log.info("%s step %d: this node's shards are in %s; the last node to finish commits it",
                          job, step, tier.name)
                 return
-        await asyncio.to_thread(tier.put, mkey, manifest_bytes)
-        await asyncio.to_thread(step_index.note_commit, tier, m)
+        await self._run(tier, tier.put, mkey, manifest_bytes)
+        await self._run(tier, step_index.note_commit, tier, m)
         dt = time.perf_counter() - t0
         log.info("%s step %d written to %s: %d bytes in %.2f s (%.2f GB/s)", job, step, tier.name,
                  nbytes, dt, nbytes / dt / 1e9 if dt else 0)
@@ -212,7 +225,7 @@ class Drainer:
         is_memory = tier is self.memory
         keep = {"memory": self.settings.keep_memory, "disk": self.settings.keep_disk,
                 "s3": self.settings.keep_s3}[tier.name]
-        inv = await asyncio.to_thread(scan_tier, tier, job, with_sizes=False)
+        inv = await self._run(tier, functools.partial(scan_tier, tier, job, with_sizes=False))
         steps = inv.job(job)
         # committed = manifest here, whatever shards this place holds (a node's disk holds its own ranks only)
         committed = sorted(s for s, st in steps.items() if st.committed)
@@ -226,7 +239,7 @@ class Drainer:
         for s in sorted(drop):
             if is_memory:
                 self.book.abandon(job, s)
-            await asyncio.to_thread(delete_step, tier, job, s)
+            await self._run(tier, delete_step, tier, job, s)
             if not is_memory:
                 log.info("%s step %d removed from %s (retention keeps %d)", job, s, tier.name, keep)
         if is_memory and drop:

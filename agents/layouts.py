@@ -125,15 +125,17 @@ class LayoutBook:
             self.mark("memory", job, layout.digest)
         return layout, tuple(values)
 
-    async def ensure(self, place: str, tier: Tier, job: str, digest: str) -> None:
-        """Store the layout object ``digest`` in ``tier`` (``place`` names it) unless it is known to be there."""
+    async def ensure(self, place: str, tier: Tier, job: str, digest: str, run=asyncio.to_thread) -> None:
+        """Store the layout object ``digest`` in ``tier`` (``place`` names it) unless it is known to be there.
+
+        ``run(fn, *args)`` runs the blocking calls (by default in the default executor)."""
         if self.held(place, job, digest):
             return
         lkey = keys.layout_key(job, digest)
         try:
-            await asyncio.to_thread(tier.stat, lkey)
+            await run(tier.stat, lkey)
         except KeyNotFoundError:
-            await asyncio.to_thread(tier.put, lkey, self.memory.path(lkey))
+            await run(tier.put, lkey, self.memory.path(lkey))
         self.mark(place, job, digest)
 
     async def trim(self, tier: Tier, job: str, using: set[str]) -> None:

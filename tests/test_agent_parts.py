@@ -49,3 +49,53 @@ def test_restart_does_not_requeue_a_multi_node_step_this_node_already_wrote_to_d
     with caplog.at_level(logging.INFO, logger="tierckpt.agent"):
         asyncio.run(main())
     assert not [r for r in caplog.records if "re-queueing" in r.getMessage()]
+
+
+class _StuckDisk(DiskTier):
+    """A disk whose puts hang (as uploads do while S3 is down and they retry) until ``release`` is set."""
+
+    def __init__(self, root: str) -> None:
+        super().__init__(root)
+        import threading
+
+        self.release = threading.Event()
+        self.stuck = 0
+        self._lock = threading.Lock()
+
+    def put(self, key, src):
+        with self._lock:
+            self.stuck += 1
+        self.release.wait(300)
+        return super().put(key, src)
+
+
+def test_writes_hanging_in_a_lower_tier_leave_the_default_executor_free(tmp_path):
+    """Staging, committing and the peer server's file opens run in the default executor: drains that wait
+    on a slow or unreachable tier must not take its threads, or an S3 outage stalls every save."""
+    settings = Settings.load({"shm": str(tmp_path / "shm"), "disk": str(tmp_path / "disk")}, env={})
+    world, data = 8, b"y" * 4096  # more shards at once than the default executor has threads (6 on 2 cores)
+    shards = tuple(ShardInfo(r, len(data), checksum_bytes(data), (), 0) for r in range(world))
+    memory = MemoryTier(settings.shm)
+    for r in range(world):
+        memory.put(keys.shard_key("j", 0, r), data)
+    memory.put(keys.manifest_key("j", 0), Manifest("j", 0, world, shards, {"save_index": 0}).to_bytes())
+    agent = Agent(settings)
+    stuck = _StuckDisk(settings.disk)
+    agent.lower = [stuck]
+
+    async def body():
+        await agent.start()  # finds step 0 committed in memory and not on disk: drains it
+        while stuck.stuck < world:
+            await asyncio.sleep(0.01)
+        await asyncio.to_thread(lambda: None)
+
+    async def main():
+        try:
+            # the writes hang for 300 s: with their threads taken from the default executor, neither the
+            # start (it scans memory there) nor the call after it would finish within the minute
+            await asyncio.wait_for(body(), 60)
+        finally:
+            stuck.release.set()
+            await agent.stop()
+
+    asyncio.run(main())

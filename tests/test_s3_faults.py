@@ -105,7 +105,9 @@ def test_lasting_outage_raises_tier_unavailable_within_the_deadline(make_tier, s
         with pytest.raises(TierUnavailableError) as info:
             call()
         elapsed = time.monotonic() - start
-        assert 0.15 < elapsed < deadline + 2, f"gave up after {elapsed:.1f} s"
+        # 100 attempts with backoff would take minutes: giving up within the deadline plus slack for a
+        # loaded machine shows the deadline stopped the retries
+        assert 0.15 < elapsed < deadline + 15, f"gave up after {elapsed:.1f} s"
         err = info.value
         assert isinstance(err, ConnectionError)
         assert s3_proxy.url in str(err) and tier.bucket in str(err)
