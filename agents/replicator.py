@@ -71,6 +71,10 @@ log = logging.getLogger("tierckpt.agent")
 MAX_CONTROL_BODY = 64 << 20
 
 
+#: shards larger than this (bytes) are pulled by the partner while their checksum is still being computed
+#: (then published once both agree); smaller ones wait for the checksum and need no publish request
+OVERLAP_CHECKSUM_ABOVE = 4 << 20
+
 class Replicator:
     """One agent's side of its peers: copies out and in, the commit tree, membership, heal."""
 
@@ -222,6 +226,10 @@ class Replicator:
                 def call(path: str, body: dict, t: float = self.settings.peer_timeout) -> dict:
                     return self._fetch_links.post(r, path, body, timeout=t)
 
+                if isinstance(checksum, asyncio.Future) and nbytes <= OVERLAP_CHECKSUM_ABOVE:
+                    # a small shard's checksum is done in well under a millisecond: waiting for it saves
+                    # the publish request that overlapping the pull with it needs
+                    checksum = await checksum
                 if isinstance(checksum, str):
                     await self.out(call, "/v1/fetch", {"key": key, "size": nbytes, "checksum": checksum,
                                                                 "from": self.me}, timeout)
