@@ -258,9 +258,11 @@ class StepBook:
         except ManifestError as e:
             log.warning("a manifest sent down the commit tree was refused: %s", e)
             return False
-        if os.path.exists(self.memory.path(keys.manifest_key(m.job, m.step))):
+        if (m.job, m.step) not in self.pending and os.path.exists(self.memory.path(keys.manifest_key(m.job, m.step))):
             self.tree.committed(m.job, m.step, data)
             return False
+        # a step this node's ranks committed is finished here even when its manifest came first another way
+        # (a peer's re-replication pushes manifests): its drains are queued and waiting trainers released
         return await self.commit_manifest(m, data)
 
     async def commit_manifest(self, m: Manifest, data: bytes) -> bool:

@@ -99,3 +99,48 @@ def test_writes_hanging_in_a_lower_tier_leave_the_default_executor_free(tmp_path
             await agent.stop()
 
     asyncio.run(main())
+
+
+def test_a_step_whose_manifest_a_peer_pushed_first_is_still_finished_when_the_tree_sends_it(tmp_path):
+    """Re-replication can put a step's manifest into this node's memory before the commit tree's message
+    comes; the step this node's ranks committed must still settle (its ``wait`` returns, its drains go)."""
+    settings = Settings.load({"shm": str(tmp_path / "shm")}, env={})
+    agent = Agent(settings)
+    data = b"z" * 4096
+    entries = [{"kind": "tensor", "name": "w", "dtype": "uint8", "global_shape": [2 * len(data)], "offsets": [0],
+                "shape": [len(data)], "offset": 0, "nbytes": len(data)}]
+
+    async def main():
+        await agent.start()
+        try:
+            conn = _Conn(pid=1)
+            slot = (await agent._op_begin(conn, {"job": "j", "rank": 0, "nbytes": len(data)}))["slot"]
+            with open(slot, "r+b") as f:
+                f.write(data)
+            await agent._op_commit(conn, {"job": "j", "step": 4, "rank": 0, "world": 2, "slot": slot,
+                                          "nbytes": len(data), "entries": entries, "save_index": 4})
+            assert ("j", 4) in agent.book.pending
+            digest = agent.book.pending[("j", 4)].layouts[0]
+            m = Manifest("j", 4, 2, (ShardInfo(0, len(data), checksum_bytes(data), (), 0, digest),
+                                     ShardInfo(1, len(data), checksum_bytes(data), (), 1, digest)),
+                         {"save_index": 4})
+            agent.memory.put(keys.manifest_key("j", 4), m.to_bytes())  # what a peer's re-replication does
+            agent.book.tree = _Tree()
+            await agent.book.receive_manifest("j", 4, m.to_bytes())
+            assert ("j", 4) not in agent.book.pending
+            got = await agent._op_wait(conn, {"job": "j", "step": 4, "timeout": 30})
+            assert got["done"] is True
+        finally:
+            await agent.stop()
+
+    asyncio.run(main())
+
+
+class _Tree:
+    """What the step book tells the commit tree (nothing to send in one process)."""
+
+    def committed(self, job, step, data) -> None:
+        pass
+
+    def broadcast(self, data) -> None:
+        pass
