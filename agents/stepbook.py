@@ -248,8 +248,7 @@ class StepBook:
             self.pending.pop(key, None)
             self.settled.setdefault(key, asyncio.Event()).set()
             return
-        if await self.commit_manifest(m, data) and self.tree is not None:
-            self.tree.broadcast(data)
+        await self.commit_manifest(m, data, broadcast=True)
 
     async def receive_manifest(self, job: object, step: object, data: bytes) -> bool:
         """A manifest the commit tree's root built: verify it and commit the step here. True if new here."""
@@ -265,8 +264,11 @@ class StepBook:
         # (a peer's re-replication pushes manifests): its drains are queued and waiting trainers released
         return await self.commit_manifest(m, data)
 
-    async def commit_manifest(self, m: Manifest, data: bytes) -> bool:
-        """Commit a step in this node's memory: the manifest written last, then the drains it is due."""
+    async def commit_manifest(self, m: Manifest, data: bytes, broadcast: bool = False) -> bool:
+        """Commit a step in this node's memory: the manifest written last, then the drains it is due.
+
+        With ``broadcast`` (at the commit tree's root) the manifest goes down the tree as soon as it is
+        committed here, before this node's drains are queued and its memory trimmed."""
         job, step = m.job, m.step
         key = (job, step)
         self.settled.setdefault(key, asyncio.Event())
@@ -282,6 +284,8 @@ class StepBook:
         self.stats["saves"] += 1
         if self.tree is not None:
             self.tree.committed(job, step, data)
+            if broadcast:
+                self.tree.broadcast(data)
         await self.on_commit(m)
         await asyncio.to_thread(step_index.note_commit, self.memory, m)
         return True
