@@ -225,7 +225,8 @@ class Drainer:
         is_memory = tier is self.memory
         keep = {"memory": self.settings.keep_memory, "disk": self.settings.keep_disk,
                 "s3": self.settings.keep_s3}[tier.name]
-        inv = await self._run(tier, functools.partial(scan_tier, tier, job, with_sizes=False))
+        # which steps are committed is all retention needs: the manifests are not parsed (O(world) each)
+        inv = await self._run(tier, functools.partial(scan_tier, tier, job, with_sizes=False, manifests=False))
         steps = inv.job(job)
         # committed = manifest here, whatever shards this place holds (a node's disk holds its own ranks only)
         committed = sorted(s for s, st in steps.items() if st.committed)

@@ -62,6 +62,8 @@ class StepInTier:
     mtime: float = 0.0
     manifest: Manifest | None = None
     problem: str | None = None
+    #: the manifest is present but was not read (a scan that only lists: see :func:`scan_tier`)
+    unread: bool = False
 
     @property
     def committed(self) -> bool:
@@ -173,11 +175,12 @@ def stale_steps(steps: Mapping[int, StepInTier]) -> set[int]:
     """Steps of one place that will never be committed there.
 
     Those with no manifest in the place (not even an unreadable one) that are
-    older than the newest step whose valid manifest is there. A step newer
-    than that one may still be in flight and is never named; nor is a step
-    with a manifest, whatever else it lacks.
+    older than the newest step whose valid manifest is there (or whose
+    manifest a listing-only scan saw, unread). A step newer than that one may
+    still be in flight and is never named; nor is a step with a manifest,
+    whatever else it lacks.
     """
-    valid = [s for s, st in steps.items() if st.manifest is not None]
+    valid = [s for s, st in steps.items() if st.manifest is not None or st.unread]
     if not valid:
         return set()
     newest = max(valid)
@@ -190,11 +193,15 @@ def read_manifest(tier: Tier, job: str, step: int) -> Manifest:
     return Manifest.from_bytes(data, job=job, step=step)
 
 
-def scan_tier(tier: Tier, job: str | None = None, *, with_sizes: bool = True) -> TierInventory:
+def scan_tier(tier: Tier, job: str | None = None, *, with_sizes: bool = True,
+              manifests: bool = True) -> TierInventory:
     """List a tier (one job or all) and parse every manifest found.
 
     A tier that cannot be listed yields an inventory with ``error`` set rather
-    than raising, so one dead tier never hides the others.
+    than raising, so one dead tier never hides the others. With ``manifests``
+    False the manifests are not read (``unread`` marks them): enough for
+    retention, which needs to know only which steps are committed, and a parse
+    costs O(world) (0.9 s at 16,384 ranks).
     """
     inv = TierInventory(tier)
     try:
@@ -214,6 +221,7 @@ def scan_tier(tier: Tier, job: str | None = None, *, with_sizes: bool = True) ->
         st = inv.steps.setdefault(info.job, {}).setdefault(info.step, StepInTier(info.job, info.step))
         if info.is_manifest:
             st.has_manifest = True
+            st.unread = not manifests
         else:
             st.shards[info.rank] = -1
     took: list[float] = []
@@ -225,7 +233,7 @@ def scan_tier(tier: Tier, job: str | None = None, *, with_sizes: bool = True) ->
 
 
 def _fill(tier: Tier, st: StepInTier, with_sizes: bool, took: list[float]) -> None:
-    if st.has_manifest:
+    if st.has_manifest and not st.unread:
         try:
             t0 = time.perf_counter()
             data = tier.get(keys.manifest_key(st.job, st.step))

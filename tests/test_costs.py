@@ -417,6 +417,23 @@ def test_fetch_shards_refuses_a_bound_of_zero():
 
 
 # -- inventory --------------------------------------------------------------------------------------
+def test_a_listing_only_scan_reads_no_manifest_and_agrees_with_a_full_scan_on_what_retention_needs():
+    t = DictTier("disk", "/d")
+    for step in (3, 5, 8):
+        put_step([t], "j", step, [b"ab", b"cd"])
+    t.put(keys.shard_key("j", 4, 0), b"ab")  # a step that never committed here, older than committed ones
+    t.put(keys.shard_key("j", 9, 0), b"ab")  # one that may still be in flight
+    full = scan_tier(t, "j", with_sizes=False)
+    reads = t.reads
+    assert reads >= 3  # the full scan read the three manifests
+    listed = scan_tier(t, "j", with_sizes=False, manifests=False)
+    assert t.reads == reads  # no manifest read
+    for inv in (full, listed):
+        assert sorted(s for s, st in inv.job("j").items() if st.committed) == [3, 5, 8]
+        assert inv.stale_steps("j") == {4}
+    assert all(st.manifest is None for st in listed.job("j").values())
+
+
 def test_scan_tiers_returns_after_the_timeout_when_tiers_hang_and_keeps_the_others():
     good = DictTier("disk", "/good")
     put_step([good], "j", 4, [b"abc", b"defg"])
