@@ -54,6 +54,10 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
+from tiers.manifest import peek
+
+from .replication import SharedBody
+
 __all__ = ["DEFAULT_FANOUT", "Disseminator", "View", "tree_children", "tree_parent", "tree_root"]
 
 log = logging.getLogger("tierckpt.agent")
@@ -133,7 +137,7 @@ class Disseminator:
     ``alive()``: the live nodes as this node sees them (``me`` included);
     ``post(node, path, body)``: a signed control POST to a peer, answering its JSON (raises ConnectionError);
     ``on_rows(rows)``: the root's intake of commit rows (from any node, its own included);
-    ``on_manifest(job, step, data)``: commit a manifest received from the root (verifies it; True if new here);
+    ``on_manifest(data)``: commit a manifest received from the root (verifies it; True if new here);
     ``on_view(view)``: adopt a view the root sent; ``on_report(kind, node)``: the root applies a report
     (True if it changed who is alive); ``dead()``: the nodes this node holds dead (the root's view).
 
@@ -145,7 +149,7 @@ class Disseminator:
 
     def __init__(self, me: int, *, alive: Callable[[], set[int]], post: Post,
                  on_rows: Callable[[list[dict]], Awaitable[None]],
-                 on_manifest: Callable[[str, int, bytes], Awaitable[bool]],
+                 on_manifest: Callable[[bytes], Awaitable[bool]],
                  on_view: Callable[[View], None], on_report: Callable[[str, int], bool],
                  dead: Callable[[], set[int]],
                  fanout: int = DEFAULT_FANOUT, resend_after: float = 10.0, retry_after: float = 1.0,
@@ -367,6 +371,8 @@ class Disseminator:
         asyncio.ensure_future(self._send_down({"manifests": [data.decode()], "view": self.view.to_json()}))
 
     async def _send_down(self, body: dict) -> None:
+        body = SharedBody(body)  # the same message to every child: serialised and compressed once
+
         async def one(child: int) -> None:
             try:
                 await self.post(child, "/v1/down", body)
@@ -391,16 +397,11 @@ class Disseminator:
         return {}
 
     async def _commit_text(self, text: str) -> None:
-        import json
-
         data = text.encode()
-        obj = json.loads(data)
-        if not isinstance(obj, dict):
-            raise ValueError("a manifest is a JSON object")
-        job, step = obj.get("job"), obj.get("step")
-        if (job, step) in self._committed:
+        # a manifest committed here already is not parsed again (catch-up answers repeat them)
+        if peek(data) in self._committed:
             return
-        await self.on_manifest(job, step, data)
+        await self.on_manifest(data)
 
     def _adopt(self, view: View) -> None:
         if view.epoch > self.view.epoch:

@@ -182,7 +182,7 @@ class Drainer:
     async def _drain_step(self, tier: Tier, job: str, step: int) -> None:
         mkey = keys.manifest_key(job, step)
         manifest_bytes = await asyncio.to_thread(self.memory.get, mkey)
-        m = Manifest.from_bytes(manifest_bytes, job=job, step=step)
+        m = self.book.manifests.parse(manifest_bytes, job=job, step=step)
         t0 = time.perf_counter()
 
         async def one(rank: int, size: int) -> None:

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 from .placement import Node, parse_peers, placement_order, replica_targets
 
-__all__ = ["DEFLATED_JSON", "LinkPool", "PeerLink", "placement_partners", "PeerState", "Membership", "load_peer_list"]
+__all__ = ["DEFLATED_JSON", "SharedBody", "encode_body", "LinkPool", "PeerLink", "placement_partners", "PeerState", "Membership", "load_peer_list"]
 
 
 def load_peer_list(spec: str) -> list[Node]:
@@ -205,16 +205,12 @@ class PeerLink:
 
     def post(self, path: str, obj: dict, *, timeout: float | None = None) -> dict:
         """POST ``obj`` as JSON; return the JSON answer. Raises ConnectionError when the peer cannot be
-        reached or refuses the request."""
+        reached or refuses the request. A :class:`SharedBody` is serialised once for every link."""
         import json
-        import zlib
 
         from tiers.wire import sign
 
-        body = json.dumps(obj, separators=(",", ":")).encode()
-        ctype = "application/json"
-        if len(body) > self.COMPRESS_ABOVE:
-            body, ctype = zlib.compress(body, 1), DEFLATED_JSON
+        body, ctype = obj.encoded() if isinstance(obj, SharedBody) else encode_body(obj)
         with self._lock:
             for attempt in (0, 1):
                 if self._conn is None:
@@ -313,6 +309,31 @@ class LinkPool:
 
 #: Content-Type of a zlib-deflated JSON body (control messages above a few KB)
 DEFLATED_JSON = "application/x-tierckpt-deflate"
+
+
+def encode_body(obj: dict) -> tuple[bytes, str]:
+    """A control message's body and content type: JSON, deflated above ``PeerLink.COMPRESS_ABOVE`` bytes."""
+    import json
+    import zlib
+
+    body = json.dumps(obj, separators=(",", ":")).encode()
+    if len(body) > PeerLink.COMPRESS_ABOVE:
+        return zlib.compress(body, 1), DEFLATED_JSON
+    return body, "application/json"
+
+
+class SharedBody(dict):
+    """A control message sent to several peers (a manifest down the commit tree goes to every child):
+    serialised and compressed once, on the first send. Not to be changed after that."""
+
+    def encoded(self) -> tuple[bytes, str]:
+        import threading
+
+        lock = self.__dict__.setdefault("_lock", threading.Lock())
+        with lock:
+            if "_encoded" not in self.__dict__:
+                self.__dict__["_encoded"] = encode_body(self)
+            return self.__dict__["_encoded"]
 
 
 def placement_partners(settings) -> set[int]:

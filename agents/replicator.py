@@ -543,7 +543,7 @@ class Replicator:
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(tmp)
         alive = self.members.alive()
-        inv = await asyncio.to_thread(scan_tier, self.memory, None, with_sizes=True)
+        inv = await asyncio.to_thread(scan_tier, self.memory, None, with_sizes=True, cache=self.book.manifests)
         await asyncio.to_thread(step_index.rebuild_places, [inv])  # replicas that came after their manifest
         held: dict[int, set[str]] = {self.me: set()}
         for job, steps in inv.steps.items():

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from recovery import step_index
 from tiers import keys
 from tiers.errors import ManifestError
-from tiers.manifest import JsonEntry, Manifest, ShardInfo
+from tiers.manifest import JsonEntry, Manifest, ManifestCache, ShardInfo
 from tiers.memory import MemoryTier
 
 from .layouts import parse_values
@@ -120,6 +120,8 @@ class StepBook:
         self._seen_newest: dict[str, int] = {}
         #: every lower tier could be listed at start-up
         self.lower_known = False
+        #: manifests parsed here, for every part that reads one again (drains, healing)
+        self.manifests = ManifestCache()
 
     # ------------------------------------------------------------------ what is known
     def seen(self, job: str, step: int) -> None:
@@ -243,6 +245,7 @@ class StepBook:
             meta["save_index"] = pend.save_index
             m = Manifest(job, step, pend.world, tuple(shards), meta, created=pend.created)
             data = m.to_bytes()
+            self.manifests.remember(data, m)
         except Exception as e:
             self.error(job, f"step {step} could not be committed to memory: {e}")
             self.pending.pop(key, None)
@@ -250,10 +253,10 @@ class StepBook:
             return
         await self.commit_manifest(m, data, broadcast=True)
 
-    async def receive_manifest(self, job: object, step: object, data: bytes) -> bool:
+    async def receive_manifest(self, data: bytes) -> bool:
         """A manifest the commit tree's root built: verify it and commit the step here. True if new here."""
         try:
-            m = Manifest.from_bytes(data)
+            m = self.manifests.parse(data)
         except ManifestError as e:
             log.warning("a manifest sent down the commit tree was refused: %s", e)
             return False

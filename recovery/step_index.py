@@ -63,9 +63,14 @@ def _held(tier: Tier, m: Manifest) -> tuple[list[int], list[int]]:
         # the shared prefix is committed by the last node to finish, once every shard is there
         return [s.rank for s in m.shards], []
     held, stray = [], []
-    for s in m.shards:
+    # the step's objects here, listed: a node holds a few ranks of a step, and a stat per rank of the world
+    # at every commit costs O(world) (16,384 stats at 16,384 ranks)
+    here = {info.rank for info in map(keys.parse_key, tier.list(keys.step_prefix(m.job, m.step)))
+            if info is not None and not info.is_manifest}
+    for rank in sorted(r for r in here if r < m.world):
+        s = m.shards[rank]
         try:
-            size = tier.stat(keys.shard_key(m.job, m.step, s.rank)).size
+            size = tier.stat(keys.shard_key(m.job, m.step, rank)).size
         except KeyNotFoundError:
             continue
         (held if size == s.size else stray).append(s.rank)

@@ -126,7 +126,7 @@ def test_a_step_whose_manifest_a_peer_pushed_first_is_still_finished_when_the_tr
                          {"save_index": 4})
             agent.memory.put(keys.manifest_key("j", 4), m.to_bytes())  # what a peer's re-replication does
             agent.book.tree = _Tree()
-            await agent.book.receive_manifest("j", 4, m.to_bytes())
+            await agent.book.receive_manifest(m.to_bytes())
             assert ("j", 4) not in agent.book.pending
             got = await agent._op_wait(conn, {"job": "j", "step": 4, "timeout": 30})
             assert got["done"] is True

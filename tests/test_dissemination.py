@@ -67,14 +67,19 @@ class Net:
                 got = self.rows[i].setdefault((row["job"], row["step"]), {})
                 got[row["rank"]] = row
                 if len(got) == row["world"] and (row["job"], row["step"]) not in self.committed[i]:
-                    data = json.dumps({"job": row["job"], "step": row["step"],
-                                       "sums": [got[r]["checksum"] for r in sorted(got)]}).encode()
+                    # begins as a manifest does (what the nodes read its job and step from)
+                    data = json.dumps({"format": "tierckpt-manifest", "version": 2, "library": "tierckpt",
+                                       "job": row["job"], "step": row["step"],
+                                       "sums": [got[r]["checksum"] for r in sorted(got)]},
+                                      separators=(",", ":")).encode()
                     self.committed[i][(row["job"], row["step"])] = data
                     d = self.nodes[i]
                     d.committed(row["job"], row["step"], data)
                     d.broadcast(data)
 
-        async def on_manifest(job, step, data: bytes) -> bool:
+        async def on_manifest(data: bytes) -> bool:
+            obj = json.loads(data)
+            job, step = obj["job"], obj["step"]
             self.committed[i][(job, step)] = data
             self.nodes[i].committed(job, step, data)
             return True

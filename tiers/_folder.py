@@ -167,12 +167,11 @@ class FolderTier(TierBase):
     def list(self, prefix: str = "") -> list[str]:
         keys = []
         for folder, dirs, files in os.walk(self.root):
-            dirs[:] = [d for d in dirs if not d.startswith(".")]
             rel = os.path.relpath(folder, self.root)
             base = "" if rel == "." else rel.replace(os.sep, "/") + "/"
-            if prefix and not (base.startswith(prefix) or prefix.startswith(base)):
-                dirs[:] = []
-                continue
+            # only the folders on the prefix's way are entered (one step's folder: three listings)
+            dirs[:] = [d for d in dirs if not d.startswith(".") and (
+                (base + d + "/").startswith(prefix) or prefix.startswith(base + d + "/"))]
             for f in files:
                 if f.startswith("."):
                     continue

@@ -12,7 +12,7 @@ from typing import Any
 
 import xxhash
 
-__all__ = ["dumps", "checksum_of", "seal", "loads", "recompute"]
+__all__ = ["dumps", "checksum_of", "seal", "loads", "recompute", "verify"]
 
 
 def dumps(obj: dict) -> bytes:
@@ -45,6 +45,21 @@ def loads(data: bytes | memoryview, limit: int, error: type[Exception], what: st
         raise
     except (ValueError, RecursionError) as e:  # also over-long integers
         raise error(f"{what}: not valid JSON ({e})") from e
+
+
+def verify(data: bytes | memoryview, obj: dict, claimed: str, error: type[Exception], what: str) -> bool:
+    """Whether ``claimed`` is the checksum ``data`` (parsed into ``obj``, its ``checksum`` field taken out)
+    was sealed with.
+
+    Bytes exactly as the writer sealed them end in ``,"checksum":<claimed>}`` after the body it hashed:
+    hashing that body checks them without serialising ``obj`` again (a quarter of the parse of a large
+    manifest). Any other bytes (another serialisation of the same object) are checked by re-serialising.
+    """
+    raw = bytes(data)
+    tail = b',"checksum":' + json.dumps(claimed).encode() + b"}"
+    if raw.endswith(tail) and checksum_of(raw[: -len(tail)] + b"}") == claimed:
+        return True
+    return recompute(obj, error, what) == claimed
 
 
 def recompute(obj: dict, error: type[Exception], what: str) -> str:

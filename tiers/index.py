@@ -225,7 +225,7 @@ class StepIndex:
         if not isinstance(obj, dict) or obj.get("format") != INDEX_FORMAT:
             raise StepIndexError("damaged step index: not a tierckpt step index")
         claimed = obj.pop("checksum", None)
-        if not isinstance(claimed, str) or _sealed.recompute(obj, StepIndexError, "damaged step index") != claimed:
+        if not isinstance(claimed, str) or not _sealed.verify(data, obj, claimed, StepIndexError, "damaged step index"):
             raise StepIndexError("step index checksum mismatch: damaged or edited after it was written")
         if obj.get("version") != INDEX_VERSION:
             raise StepIndexError(f"step index version {obj.get('version')!r} is not read by this library "

@@ -37,6 +37,7 @@ __all__ = [
     "layouts_prefix",
     "parse_layout_key",
     "check_digest",
+    "DIGEST_RE",
     "INDEX_NAME",
     "index_key",
     "parse_index_key",
@@ -52,6 +53,8 @@ _STEP_DIR_RE = re.compile(r"^step-(0|[1-9][0-9]{0,17})\Z")
 _SHARD_RE = re.compile(r"^rank-(0|[1-9][0-9]{0,8})\.shard\Z")
 LAYOUTS_DIR = "layouts"
 _DIGEST_RE = re.compile(r"^[0-9a-f]{32}\Z")
+#: matches a layout digest (what :func:`check_digest` accepts)
+DIGEST_RE = _DIGEST_RE
 _LAYOUT_RE = re.compile(r"^([0-9a-f]{32})\.layout\Z")
 
 

@@ -31,14 +31,19 @@ hostile manifest is refused rather than half-used.
 
 from __future__ import annotations
 
+import collections
 import math
+import re
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import xxhash
+
 from . import _sealed
 from .errors import InvalidNameError, ManifestError
-from .keys import check_digest, check_job, check_step
+from .keys import DIGEST_RE, check_digest, check_job, check_step
 
 __all__ = [
     "MANIFEST_FORMAT",
@@ -48,6 +53,7 @@ __all__ = [
     "JsonEntry",
     "ShardInfo",
     "Manifest",
+    "ManifestCache",
     "validate_layout",
 ]
 
@@ -273,7 +279,7 @@ class Manifest:
             claimed = obj.pop("checksum", None)
             if not isinstance(claimed, str):
                 raise ManifestError("malformed manifest: version 2 without its own checksum")
-            if _sealed.recompute(obj, ManifestError, "malformed manifest") != claimed:
+            if not _sealed.verify(data, obj, claimed, ManifestError, "malformed manifest"):
                 raise ManifestError("manifest checksum mismatch: its bytes were changed after it was written "
                                     "(damaged or edited); read the step from another tier")
         m = cls.from_json(obj, job=job, step=step)
@@ -307,6 +313,11 @@ class Manifest:
             raise ManifestError(f"malformed manifest: world {world} but {len(shards_obj)} shards listed")
         shards = []
         for r, s in enumerate(shards_obj):
+            if version >= 2:
+                fast = _v2_row(s, r)
+                if fast is not None:
+                    shards.append(fast)
+                    continue
             where = f"shards[{r}]"
             rank = _need(s, "rank", int, where)
             size = _need(s, "size", int, where)
@@ -336,6 +347,85 @@ class Manifest:
             raise ManifestError("malformed manifest: created must be a time in seconds since 1970")
         return cls(m_job, m_step, world, tuple(shards), metadata, float(created),
                    str(obj.get("library", "")), version)
+
+
+#: a canonical manifest's job and step, where it begins (see :meth:`Manifest.peek`)
+_PEEK_RE = re.compile(rb'^\{"format":"tierckpt-manifest","version":\d+,"library":"(?:[^"\\]|\\.)*",'
+                      rb'"job":"([A-Za-z0-9._-]{1,128})","step":(0|[1-9][0-9]{0,17}),')
+
+
+def peek(data: bytes | memoryview) -> tuple[str, int] | None:
+    """The job and step a manifest's bytes name, read from their first bytes without parsing the rest;
+    None when they do not begin as this library writes a manifest. A hint only (to skip a manifest
+    already held): nothing is checked, :meth:`Manifest.from_bytes` decides."""
+    m = _PEEK_RE.match(bytes(data[:512]))
+    return (m.group(1).decode(), int(m.group(2))) if m else None
+
+
+class ManifestCache:
+    """Manifests parsed once: by the digest of their bytes, the ``size`` most recently used.
+
+    An agent reads the same few manifests again and again (each retained step's, every few seconds, to
+    heal replicas; each step's once per drain): a parse costs O(world) (3 ms at 512 ranks, 0.1 s at
+    16,384). The bytes are still read and hashed each time (xxh3, about 20 GB/s), so a manifest that
+    changed is parsed again. A hit is the very object an earlier parse returned: callers must not change
+    it (its ``metadata`` is a dict). Safe to share between threads.
+    """
+
+    def __init__(self, size: int = 64) -> None:
+        self.size = size
+        self.hits = 0
+        self.misses = 0
+        self._parsed: collections.OrderedDict[str, Manifest] = collections.OrderedDict()
+        self._lock = threading.Lock()
+
+    def remember(self, data: bytes, m: "Manifest") -> None:
+        """``m`` is what ``data`` parses to (its writer serialised it)."""
+        with self._lock:
+            self._parsed[xxhash.xxh3_128_hexdigest(data)] = m
+            while len(self._parsed) > self.size:
+                self._parsed.popitem(last=False)
+
+    def parse(self, data: bytes | memoryview, *, job: str | None = None, step: int | None = None) -> "Manifest":
+        """:meth:`Manifest.from_bytes`, from the cache when these bytes were parsed before."""
+        digest = xxhash.xxh3_128_hexdigest(data)
+        with self._lock:
+            m = self._parsed.get(digest)
+            if m is not None and (job is None or m.job == job) and (step is None or m.step == step):
+                self._parsed.move_to_end(digest)
+                self.hits += 1
+                return m
+        m = Manifest.from_bytes(data, job=job, step=step)
+        with self._lock:
+            self.misses += 1
+            self._parsed[digest] = m
+            while len(self._parsed) > self.size:
+                self._parsed.popitem(last=False)
+        return m
+
+
+def _v2_row(s: Any, r: int) -> ShardInfo | None:
+    """A version-2 shard row that passes every check below, or None: the row then goes through the
+    field-by-field checks, which say what is wrong. The same checks, made cheap for the common case (a
+    manifest of 16,384 ranks is parsed at every node once per step)."""
+    if type(s) is not dict:
+        return None
+    rank, size, checksum, layout = s.get("rank"), s.get("size"), s.get("checksum"), s.get("layout")
+    node = s.get("node", 0)
+    if not (type(rank) is int and rank == r and type(size) is int and size >= 0 and type(checksum) is str
+            and type(layout) is str and DIGEST_RE.match(layout) and type(node) is int and node >= 0):
+        return None
+    rows = s.get("values", ())
+    if type(rows) is not list and rows != ():
+        return None
+    entries = []
+    for row in rows:
+        if not (type(row) is list and len(row) == 2 and type(row[0]) is str):
+            return None
+        entries.append(JsonEntry(row[0], row[1]))
+    if len(entries) > 1 and len({e.name for e in entries}) != len(entries):
+        return None
+    return ShardInfo(rank, size, checksum, tuple(entries), node, layout)
 
 
 def _values(rows: Any, where: str) -> list[JsonEntry]:
