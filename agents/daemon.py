@@ -53,7 +53,6 @@ from tiers.base import Tier
 from tiers.checksum import checksum_file
 from tiers.disk import DiskTier
 from tiers.errors import TierError
-from tiers.layout import preload as preload_layouts
 
 from .config import Settings
 from .drain import ByteBudget, Drainer, delete_step
@@ -147,8 +146,6 @@ class Agent:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
         self._server = await asyncio.start_unix_server(self._handle, path=path, limit=MAX_LINE)
-        # the first step's layouts need pyarrow: imported now, while the trainers start, not in that step
-        self._preload = asyncio.ensure_future(asyncio.to_thread(preload_layouts))
         if not path.startswith("\0"):
             os.chmod(path, 0o600)
         log.info(

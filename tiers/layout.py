@@ -19,8 +19,7 @@ a damaged or swapped layout object is refused, never used.
 
 The stored form is Parquet (pyarrow): one row per chunk, dictionary-encoded
 and compressed. pyarrow is imported only when a layout object is written or
-read, or by :func:`preload` (an agent calls it at start, in the background, so
-that the first step does not pay the import: about 0.3 s of CPU).
+read.
 """
 
 from __future__ import annotations
@@ -35,16 +34,10 @@ import xxhash
 from .errors import ManifestError
 from .manifest import TensorChunk, validate_layout
 
-__all__ = ["Layout", "MAX_LAYOUT_BYTES", "chunk_table_bytes", "preload", "read_chunk_table"]
+__all__ = ["Layout", "MAX_LAYOUT_BYTES", "chunk_table_bytes", "read_chunk_table"]
 
 #: the largest layout object a reader accepts, in bytes
 MAX_LAYOUT_BYTES = 256 * 1024 * 1024
-
-
-def preload() -> None:
-    """Import what writing and reading a layout object needs (pyarrow), ahead of the first use."""
-    import pyarrow  # noqa: F401
-    import pyarrow.parquet  # noqa: F401
 _COLUMNS = ("name", "dtype", "global_shape", "offsets", "shape", "offset", "nbytes")
 #: how layouts are written. Names are unique within a rank, so a dictionary only adds a copy of them;
 #: byte offsets and sizes grow steadily, which delta encoding stores in a few bits; statistics and the
