@@ -17,7 +17,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from procs import agent_call, ckpt_cmd, env, start_agent
+from procs import ckpt_cmd, env, start_agent
 from s3util import free_port
 from test_e2e_peers import Cluster
 from agents.config import socket_path_for
