@@ -691,7 +691,9 @@ def main(argv: list[str] | None = None) -> int:
     ``CKPT_TRACEBACK=1`` to get the traceback instead.
     """
     try:
-        return _run(argv)
+        status = _run(argv)
+        sys.stdout.flush()  # here, not at exit: a reader that went away is reported like any other error
+        return status
     except BrokenPipeError:
         # whoever read our output stopped (``| head``): nothing more can reach stdout, and the interpreter's
         # flush at exit must not print a traceback about it
