@@ -196,11 +196,15 @@ class StepBook:
             self.settle(job, step)
 
     def forget(self, job: str, step: int) -> None:
-        """Forget a step entirely (the job resumed from an earlier one); whoever waits for it is released."""
+        """Forget a step entirely (the job resumed from an earlier one); whoever waits for it is released.
+        The commit tree forgets its manifest too: the new run's rows for the same step are new rows, not
+        late ones to answer with the manifest of the run that failed."""
         self.pending.pop((job, step), None)
         ev = self.settled.pop((job, step), None)
         if ev is not None:
             ev.set()
+        if self.tree is not None:
+            self.tree.forget(job, {step})
 
     # ------------------------------------------------------------------ intake
     def admit(self, row: Row, *, local: bool) -> Pending | None:
@@ -300,9 +304,32 @@ class StepBook:
         if (m.job, m.step) not in self.pending and os.path.exists(self.memory.path(keys.manifest_key(m.job, m.step))):
             self.tree.committed(m.job, m.step, data)
             return False
+        stale = self._other_run(m)
+        if stale:
+            log.warning("%s step %d: a manifest sent down the commit tree was refused: %s", m.job, m.step, stale)
+            return False
         # a step this node's ranks committed is finished here even when its manifest came first another way
         # (a peer's re-replication pushes manifests): its drains are queued and waiting trainers released
         return await self.commit_manifest(m, data)
+
+    def _other_run(self, m: Manifest) -> str:
+        """Why ``m`` cannot be this node's commit of its step ("" when it can): a shard this node took from
+        a trainer has another checksum (the manifest is of a run a rewind dropped), or is not here."""
+        pend = self.pending.get((m.job, m.step))
+        for sh in m.shards:
+            if pend is not None and sh.rank in pend.checksums:
+                fut = pend.checksums[sh.rank]
+                if fut.done() and not fut.cancelled() and fut.exception() is None and fut.result() != sh.checksum:
+                    return (f"rank {sh.rank}'s shard here has checksum {fut.result()}, the manifest says "
+                            f"{sh.checksum} (a manifest of a run that was rewound)")
+            elif pend is None and sh.node == self.me:
+                try:
+                    size = os.path.getsize(self.memory.path(keys.shard_key(m.job, m.step, sh.rank)))
+                except OSError:
+                    size = None
+                if size != sh.size:
+                    return f"rank {sh.rank}'s shard, which this node took, is not here with {sh.size} bytes"
+        return ""
 
     async def commit_manifest(self, m: Manifest, data: bytes, broadcast: bool = False,
                               pend: Pending | None = None) -> bool:

@@ -326,3 +326,76 @@ def test_an_unexpected_failure_inside_a_command_is_one_line_not_a_traceback(tmp_
                        env=env(), timeout=120)
     _one_line_error(p)
     assert "something unforeseen" in p.stderr and "RuntimeError" in p.stderr
+
+
+def test_a_step_saved_again_after_a_rewind_commits_the_new_run_manifest_on_every_node(tmp_path):
+    """Two nodes, one rank each. Step 2 is committed, both nodes rewind to step 1 (a restore), and the new
+    run saves step 2 again with other bytes: every node commits a manifest naming the new bytes. The commit
+    tree must not answer the new rows with the manifest of the run that was rewound."""
+    from tiers.checksum import checksum_file
+
+    c = Cluster(tmp_path, 2)
+    try:
+        clients = [AgentClient(socket_path_for(c.shm(i)), timeout=120) for i in range(2)]
+        try:
+            for step in (1, 2):
+                for i in range(2):
+                    _stage(clients[i], "rw", step, MiB, rank=i, world=2)
+                for i in range(2):
+                    assert clients[i].call("wait", job="rw", step=step, timeout=60)["done"]
+            for i in range(2):
+                assert clients[i].call("rewind", job="rw", step=1)["dropped"] == [2]
+            for i in range(2):
+                _stage(clients[i], "rw", 2, MiB, rank=i, world=2)
+            for i in range(2):
+                done = clients[i].call("wait", job="rw", step=2, timeout=60)
+                assert done["done"] and done["errors"] == [], done
+        finally:
+            for cl in clients:
+                cl.close()
+        for i in range(2):
+            shard = os.path.join(c.shm(i), "rw", "step-2", f"rank-{i}.shard")
+            c.wait_for(lambda i=i: c.holds(i, "rw", 2, rank=i), f"step 2 committed on node {i}")
+            m = scan_tier(MemoryTier(c.shm(i)), "rw").job("rw")[2].manifest
+            assert m is not None and m.shard(i).checksum == checksum_file(shard, MiB), \
+                f"node {i} committed a manifest of the rewound run"
+    finally:
+        c.close()
+
+
+def test_a_node_that_rewinds_first_refuses_the_manifest_of_the_rewound_run_from_the_commit_tree(tmp_path):
+    """Node 1 restores and saves step 2 again before the commit tree's root (node 0) has rewound: the root
+    still holds the old step 2 and answers node 1's new row with its manifest. Node 1 must not commit it
+    over its new shard; once node 0 rewinds and saves too, both commit the new run's step 2."""
+    from tiers.checksum import checksum_file
+
+    c = Cluster(tmp_path, 2)
+    try:
+        clients = [AgentClient(socket_path_for(c.shm(i)), timeout=120) for i in range(2)]
+        try:
+            for step in (1, 2):
+                for i in range(2):
+                    _stage(clients[i], "rw", step, MiB, rank=i, world=2)
+                for i in range(2):
+                    assert clients[i].call("wait", job="rw", step=step, timeout=60)["done"]
+            assert clients[1].call("rewind", job="rw", step=1)["dropped"] == [2]
+            caught_up = clients[1].call("status")["tree"]["stats"]["catch_ups"]
+            _stage(clients[1], "rw", 2, MiB, rank=1, world=2)
+            # the root answers the new row with the manifest it holds for step 2: the rewound run's
+            c.wait_for(lambda: clients[1].call("status")["tree"]["stats"]["catch_ups"] > caught_up,
+                       "the root's answer to node 1's new row", timeout=60)
+            assert clients[0].call("rewind", job="rw", step=1)["dropped"] == [2]
+            _stage(clients[0], "rw", 2, MiB, rank=0, world=2)
+            for i in range(2):
+                done = clients[i].call("wait", job="rw", step=2, timeout=90)
+                assert done["done"] and done["errors"] == [], done
+        finally:
+            for cl in clients:
+                cl.close()
+        for i in range(2):
+            shard = os.path.join(c.shm(i), "rw", "step-2", f"rank-{i}.shard")
+            m = scan_tier(MemoryTier(c.shm(i)), "rw").job("rw")[2].manifest
+            assert m is not None and m.shard(i).checksum == checksum_file(shard, MiB), \
+                f"node {i} committed a manifest of the rewound run"
+    finally:
+        c.close()
