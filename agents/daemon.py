@@ -449,22 +449,28 @@ class Agent:
         run's saves of those step numbers are taken, not refused as already committed. Drops them from
         memory only (after their writes to disk and S3 finish); the lower tiers are overwritten when the
         new run saves the same steps. Answers the steps dropped.
+
+        Holds the job's commit lock throughout, so a step that was finishing when the rewind came is either
+        committed before it (and then dropped whole, after its writes) or never committed (its commit finds
+        it forgotten): never a manifest without its shards, never a failure handed to the new run.
         """
         job = keys.check_job(req["job"])
-        step = int(req["step"])
-        if step < -1:
-            raise RequestError(f"step must be >= -1, got {step}")
-        inv = await asyncio.to_thread(scan_tier, self.memory, job, with_sizes=False)
-        later = {s for s in inv.job(job) if s > step}
-        later |= {s for (j, s) in list(self.book.pending) + list(self.book.settled) if j == job and s > step}
-        waits = [self.book.settled[(job, s)].wait() for s in later if (job, s) in self.book.draining]
-        waits += self.replicator.copies(job, later) if self.replicator else []
-        if waits:
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(asyncio.gather(*waits, return_exceptions=True), self.settings.grace)
-        for s in sorted(later):
-            self.book.forget(job, s)
-            await asyncio.to_thread(delete_step, self.memory, job, s)
+        step = req["step"]
+        if not isinstance(step, int) or isinstance(step, bool) or step < -1:
+            raise RequestError(f"step must be an integer >= -1, got {step!r}")
+        async with self.book.lock(job):
+            inv = await asyncio.to_thread(scan_tier, self.memory, job, with_sizes=False)
+            later = {s for s in inv.job(job) if s > step}
+            later |= {s for (j, s) in list(self.book.pending) + list(self.book.settled) if j == job and s > step}
+            waits = [self.book.settled[(job, s)].wait() for s in later if (job, s) in self.book.draining]
+            waits += self.replicator.copies(job, later) if self.replicator else []
+            if waits:
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(asyncio.gather(*waits, return_exceptions=True), self.settings.grace)
+            # a step still finishing is forgotten here: its commit, waiting for this lock, then drops it
+            for s in sorted(later):
+                self.book.forget(job, s)
+                await asyncio.to_thread(delete_step, self.memory, job, s)
         if later:
             log.info("%s resumed from step %d: dropped later steps %s from memory", job, step, sorted(later))
             await self._slots_freed()

@@ -333,7 +333,8 @@ class Disseminator:
         if not isinstance(rows, list) or not isinstance(reports, list):
             raise ValueError("rows and reports must be lists")
         for r in reports:
-            if not (isinstance(r, list) and len(r) == 2 and r[0] in ("dead", "alive") and isinstance(r[1], int)):
+            if not (isinstance(r, list) and len(r) == 2 and r[0] in ("dead", "alive") and isinstance(r[1], int)
+                    and not isinstance(r[1], bool)):
                 raise ValueError("a report is [\"dead\"|\"alive\", node]")
         self.stats.up_received += 1
         answer: dict = {"view": self.view.to_json()}

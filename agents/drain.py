@@ -12,8 +12,11 @@ Call order::
                           written; then the layouts no retained step names (memory and disk only)
     stop()                cancel the workers (the agent waits up to ``grace`` s for them first)
 
-Shard bytes in flight, here and in replication, are bounded by one
-:class:`ByteBudget` (``max_inflight_bytes``).
+Shard bytes in flight on this node are bounded by one :class:`ByteBudget`
+(``max_inflight_bytes``): the drains' writes, and the pulls that bring shards
+in from peers (replication, warm restore). A push to a peer takes none of it:
+the receiver's pull holds the receiver's budget, so no node ever holds its
+budget while waiting for another node's.
 """
 
 from __future__ import annotations
@@ -43,7 +46,10 @@ log = logging.getLogger("tierckpt.agent")
 
 
 class ByteBudget:
-    """Bounds shard bytes being drained at once (a shard larger than the bound runs alone)."""
+    """Bounds shard bytes in flight on this node at once (a shard larger than the bound runs alone).
+
+    Never held while waiting for a peer that may need its own budget to answer (see the module docstring).
+    """
 
     def __init__(self, limit: int) -> None:
         self.limit = limit

@@ -510,8 +510,28 @@ class PeerServer:
             st = None
         if st is None or not stat.S_ISREG(st.st_mode):
             return _text(404, f"{key} is not held by node {self.node}")
+        refused = self._range_problem(request, key, st.st_size)
+        if refused is not None:
+            return refused
         # the file is opened once by FileResponse, so an overwrite racing the send cannot tear it
         return web.FileResponse(path, headers={H_MTIME: repr(st.st_mtime)})
+
+    @staticmethod
+    def _range_problem(request: web.Request, key: str, size: int) -> web.Response | None:
+        """The 416 answer, with its reason, for a Range the object cannot serve (None when it can, or when
+        there is none). The same judgement as the file response's, which would refuse with an empty body."""
+        if "Range" not in request.headers or request.if_range is not None:
+            return None
+        unsatisfied = {"Content-Range": f"bytes */{size}"}
+        try:
+            rng = request.http_range
+        except ValueError as e:
+            return _text(416, f"unusable Range {request.headers['Range'][:80]!r} ({e}): send bytes=FIRST-LAST",
+                         headers=unsatisfied)
+        if rng.start is not None and rng.start >= 0 and rng.start >= size:
+            return _text(416, f"Range starts at byte {rng.start}, past the end of {key} ({size} bytes)",
+                         headers=unsatisfied)
+        return None
 
     async def _delete(self, request: web.Request) -> web.Response:
         key = self._key(request)

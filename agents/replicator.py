@@ -24,7 +24,8 @@ the server's own routes are in :mod:`agents.peer_server`)::
     POST /v1/fetch    replication: {"key", "size", "from", ["checksum"]}: this node pulls the shard
                       from node ``from`` (GET /v1/o/<key>) into its memory and answers {"checksum",
                       "token"} once it is verified (published at once) or held (no checksum sent:
-                      "token" names the held copy); 400 bad request, 502 the pull failed
+                      "token" names the held copy); 400 bad request, 409 node ``from`` holds another
+                      size, 507 no room here, 502 the pull failed (each with its reason in one line)
     POST /v1/publish  {"token", "checksum", "publish"}: publish the held copy if its checksum
                       matches (else 422), or drop it ({"dropped": true}); 404 for an unknown token
 
@@ -74,6 +75,51 @@ MAX_CONTROL_BODY = 64 << 20
 #: shards larger than this (bytes) are pulled by the partner while their checksum is still being computed
 #: (then published once both agree); smaller ones wait for the checksum and need no publish request
 OVERLAP_CHECKSUM_ABOVE = 4 << 20
+
+def _one_line(text: str) -> str:
+    """An HTTP refusal's body: one line (an error's own newlines folded), ending in a newline."""
+    return " ".join(text.split()) + "\n"
+
+
+def _free_bytes(folder: str) -> int | None:
+    """Bytes an unprivileged writer may still put in ``folder``'s file system (None if unknown)."""
+    try:
+        vfs = os.statvfs(folder)
+    except OSError:
+        return None
+    return vfs.f_bavail * vfs.f_frsize
+
+
+def _without_frames(e: BaseException) -> BaseException:
+    """``e`` without its traceback, nor those of the errors it was raised from, and with the locals of their
+    finished frames cleared: whatever those frames referenced (views of a mapping) is released."""
+    import traceback
+
+    seen: set[int] = set()
+    todo: list[BaseException | None] = [e]
+    while todo:
+        x = todo.pop()
+        if x is None or id(x) in seen:
+            continue
+        seen.add(id(x))
+        traceback.clear_frames(x.__traceback__)
+        x.__traceback__ = None
+        todo += [x.__cause__, x.__context__]
+    return e
+
+
+def _close_mapping(mm) -> None:
+    """Close an mmap whose views were released; views still held by a reference cycle are collected first.
+    Never raises: a mapping still in use is unmapped once its last view is gone."""
+    try:
+        mm.close()
+    except BufferError:
+        import gc
+
+        gc.collect()
+        with contextlib.suppress(BufferError):
+            mm.close()
+
 
 class Replicator:
     """One agent's side of its peers: copies out and in, the commit tree, membership, heal."""
@@ -210,13 +256,17 @@ class Replicator:
     async def _push(self, r: int, key: str, src: str | bytes, nbytes: int,
                     checksum: "str | asyncio.Future | None" = None) -> bool:
         """Get ``key`` onto node ``r``: a shard is pulled by ``r`` from this node (GET with sendfile,
-        read straight into its memory folder — the fast direction of HTTP), a small object is PUT."""
+        read straight into its memory folder — the fast direction of HTTP), a small object is PUT.
+
+        A push takes none of this node's in-flight byte budget: the bytes it moves are the receiver's to
+        hold (its fetch takes the receiver's budget), and this node only serves them from memory it
+        already holds. A push that held its own budget while the peer's fetch waited for the peer's
+        would deadlock two nodes pushing to each other until the peer timeout."""
         if (r, key) in self._pushing:
             return True  # already on its way there
         self._pushing.add((r, key))
         st = self.members.peers[r]
         st.debt_bytes += nbytes
-        held = await self.budget.acquire(nbytes)
         t0 = time.perf_counter()
         try:
             if isinstance(src, str) and keys.parse_key(key) and not key.endswith(keys.MANIFEST_NAME):
@@ -263,7 +313,6 @@ class Replicator:
             self._peer_error(r, e)
             return False
         finally:
-            await self.budget.release(held)
             st.debt_bytes -= nbytes
             self._pushing.discard((r, key))
 
@@ -346,13 +395,20 @@ class Replicator:
 
     # ------------------------------------------------------------------ routes (see the module docstring)
     async def _http_body(self, request) -> dict:
+        """The request's JSON object (deflated or not); ValueError when it is not one."""
         data = await request.read()
         if request.content_type == DEFLATED_JSON:
             d = zlib.decompressobj()
-            data = d.decompress(data, MAX_CONTROL_BODY)
+            try:
+                data = d.decompress(data, MAX_CONTROL_BODY)
+            except zlib.error as e:
+                raise ValueError(f"body is not deflated: {e}") from e
             if d.unconsumed_tail:
                 raise ValueError(f"control message over {MAX_CONTROL_BODY} bytes once inflated")
-        body = json.loads(data)
+        try:
+            body = json.loads(data)
+        except RecursionError as e:
+            raise ValueError("body nests too deeply") from e
         if not isinstance(body, dict):
             raise ValueError("a control message is a JSON object")
         return body
@@ -365,34 +421,61 @@ class Replicator:
         async def route(request):
             try:
                 answer = await handle(await self._http_body(request))
-            except (ValueError, KeyError, TypeError, zlib.error) as e:
-                return web.Response(status=400, text=f"bad commit-tree message: {e}\n")
+            except (ValueError, KeyError, TypeError, ArithmeticError) as e:
+                return web.Response(status=400, text=_one_line(f"bad commit-tree message: {type(e).__name__}: {e}"))
             return web.json_response(answer)
 
         return route
 
     async def _http_fetch(self, request):
-        """A peer asks this node to pull a shard from it (replication); answers once the copy is verified."""
+        """A peer asks this node to pull a shard from it (replication); answers once the copy is verified.
+
+        400 for a malformed request, 409 when the source holds another size of the shard, 507 when this
+        node's memory has no room for it, 502 when the pull itself failed (the answer names the real error)."""
         from aiohttp import web
 
+        from tiers.errors import TierFullError
+        from tiers.wire import CHECKSUM_RE
+
         try:
-            req = await request.json()
-            key = str(req["key"])
-            info = keys.parse_key(key)
-            size, src = int(req["size"]), int(req["from"])
-            checksum = req.get("checksum")
-            if info is None or info.is_manifest or size < 0 or src not in self.peer_tiers \
-                    or not (checksum is None or isinstance(checksum, str)):
-                raise ValueError("key, size, checksum or source node out of range")
+            req = await self._http_body(request)
+            key, size, src, checksum = req["key"], req["size"], req["from"], req.get("checksum")
+            if not isinstance(key, str) or not (info := keys.parse_key(key)) or info.is_manifest:
+                raise ValueError(f"key {str(key)[:80]!r} is not a shard key")
+            if isinstance(size, bool) or not isinstance(size, int) or not 0 <= size < 2**63:
+                raise ValueError(f"size {str(size)[:40]} is not a byte count")
+            if isinstance(src, bool) or not isinstance(src, int) or src not in self.peer_tiers:
+                raise ValueError(f"from {str(src)[:40]} is not another node of this job")
+            if not (checksum is None or (isinstance(checksum, str) and CHECKSUM_RE.match(checksum))):
+                raise ValueError(f"checksum {str(checksum)[:80]!r} is not a checksum")
         except (ValueError, KeyError, TypeError) as e:
-            return web.Response(status=400, text=f"bad fetch request: {e}\n")
+            return web.Response(status=400, text=_one_line(f"bad fetch request: {type(e).__name__}: {e}"))
+        room = await asyncio.to_thread(_free_bytes, self.memory.root)
+        if room is not None and size > room:
+            return web.Response(status=507, text=_one_line(
+                f"no room for {key} ({size} bytes) in {self.memory.root} on node {self.me}: {room} bytes free"))
+        try:
+            # what the source holds, before any memory is claimed for it: a size that disagrees is refused
+            # here, not after the allocation of whatever the request said
+            held_there = (await self.pulling(self.peer_tiers[src].stat, key)).size
+        except (TierError, OSError) as e:
+            return web.Response(status=502, text=_one_line(
+                f"pull of {key} from node {src} failed: {type(e).__name__}: {e}"))
+        if held_there != size:
+            return web.Response(status=409, text=_one_line(
+                f"node {src} holds {held_there} bytes of {key}, the request says {size}: not pulled"))
         held = await self.budget.acquire(size)
         t0 = time.perf_counter()
         try:
             got, tmp = await self.pulling(self.pull, src, key, size, checksum)
             log.info("%s pulled from node %d: %d bytes in %.3f s", key, src, size, time.perf_counter() - t0)
-        except (TierError, OSError) as e:
-            return web.Response(status=502, text=f"pull of {key} from node {src} failed: {e}\n")
+        except TierFullError as e:
+            return web.Response(status=507, text=_one_line(f"no room for {key} on node {self.me}: {e}"))
+        except Exception as e:  # noqa: BLE001 - whatever broke the pull is the answer: the peer decides
+            if not isinstance(e, (TierError, OSError)):
+                log.warning("pull of %s from node %d failed", key, src, exc_info=e)
+            return web.Response(status=502, text=_one_line(
+                f"pull of {key} from node {src} failed: {type(e).__name__}: {e}"))
         finally:
             await self.budget.release(held)
         token = ""
@@ -406,10 +489,12 @@ class Replicator:
         from aiohttp import web
 
         try:
-            req = await request.json()
-            token, checksum, keep = str(req["token"]), str(req["checksum"]), bool(req.get("publish", True))
+            req = await self._http_body(request)
+            token, checksum, keep = req["token"], req["checksum"], req.get("publish", True)
+            if not isinstance(token, str) or not isinstance(checksum, str) or not isinstance(keep, bool):
+                raise TypeError("token and checksum are strings, publish a boolean")
         except (ValueError, KeyError, TypeError) as e:
-            return web.Response(status=400, text=f"bad publish request: {e}\n")
+            return web.Response(status=400, text=_one_line(f"bad publish request: {type(e).__name__}: {e}"))
         entry = self._unpublished.pop(token, None)
         if entry is None:
             return web.Response(status=404, text="no such pulled copy (expired or already published)\n")
@@ -418,7 +503,7 @@ class Replicator:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(tmp)
             if keep:
-                return web.Response(status=422, text=f"{key}: received {got}, primary has {checksum}\n")
+                return web.Response(status=422, text=_one_line(f"{key}: received {got}, primary has {checksum}"))
             return web.json_response({"dropped": True})
         await asyncio.to_thread(os.rename, tmp, self.memory.path(key))
         return web.json_response({"published": True})
@@ -454,22 +539,24 @@ class Replicator:
                             raise TierFullError(e.errno, f"no room for {key} in {self.memory.root}") from e
                         raise
                     failure: BaseException | None = None
-                    with mmap.mmap(fd, size) as mm:
-                        mv = memoryview(mm)
-                        try:
-                            step = size if self._bucket is None else self._bucket.chunk()
-                            for off in range(0, size, step):
-                                n = min(step, size - off)
-                                if self._bucket is not None:
-                                    self._bucket.take(n)
-                                peer.read_into(key, mv[off:off + n], off)
-                            got = checksum_bytes(mv)
-                        except Exception as e:
-                            # the traceback's frames hold views of the mapping: drop them, or closing it
-                            # raises BufferError and hides the real error
-                            failure = e.with_traceback(None)
-                        finally:
-                            mv.release()
+                    mm = mmap.mmap(fd, size)
+                    mv = memoryview(mm)
+                    try:
+                        step = size if self._bucket is None else self._bucket.chunk()
+                        for off in range(0, size, step):
+                            n = min(step, size - off)
+                            if self._bucket is not None:
+                                self._bucket.take(n)
+                            peer.read_into(key, mv[off:off + n], off)
+                        got = checksum_bytes(mv)
+                    except Exception as e:
+                        # the error's traceback (and those of the errors it came from) holds views of the
+                        # mapping, through the frames that read into it: drop them, so the mapping can be
+                        # closed and the error that broke the pull is the one reported
+                        failure = _without_frames(e)
+                    finally:
+                        mv.release()
+                        _close_mapping(mm)
                     if failure is not None:
                         raise failure
                 else:

@@ -21,6 +21,7 @@ to hand to the job's trainers, once, in the answer to their next request.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 import time
@@ -31,6 +32,7 @@ from recovery import step_index
 from tiers import keys
 from tiers.errors import ManifestError
 from tiers.manifest import JsonEntry, Manifest, ManifestCache, ShardInfo
+from tiers.wire import CHECKSUM_RE
 from tiers.memory import MemoryTier
 
 from .layouts import parse_values
@@ -79,20 +81,40 @@ class Row:
 
     @classmethod
     def parse(cls, rec: dict) -> tuple["Row", str]:
-        """A row sent up the commit tree and its checksum; ValueError, KeyError or TypeError if malformed."""
+        """A row sent up the commit tree and its checksum; ValueError, KeyError or TypeError if malformed
+        (a field missing, of the wrong type, out of range, or a value no manifest can hold)."""
+        if not isinstance(rec, dict):
+            raise RequestError("a commit row is a JSON object")
         job = keys.check_job(rec["job"])
         step = keys.check_step(rec["step"])
         rank = keys.check_rank(rec["rank"])
-        world, nbytes, node = int(rec["world"]), int(rec["nbytes"]), int(rec["node"])
-        if not 0 <= rank < world or nbytes < 0 or not isinstance(rec["checksum"], str):
-            raise RequestError("rank, world, nbytes or checksum out of range")
+        world, nbytes, node = (_count(rec, "world"), _count(rec, "nbytes"), _count(rec, "node"))
+        save_index = _count(rec, "save_index", step)
+        if not 0 <= rank < world or not isinstance(rec["checksum"], str) or not CHECKSUM_RE.match(rec["checksum"]):
+            raise RequestError("rank, world or checksum out of range")
         digest = keys.check_digest(rec["layout"])
         values = parse_values(rec.get("values"))
         metadata = rec.get("metadata") or {}
         if not isinstance(metadata, dict):
             raise RequestError("metadata must be a JSON object")
-        return cls(job, step, rank, world, nbytes, digest, values, int(rec.get("save_index", step)), metadata,
-                   node), rec["checksum"]
+        try:
+            # what the manifest built from this row will have to write: refused here, not at the commit
+            json.dumps([rec.get("values"), metadata], allow_nan=False)
+        except (ValueError, TypeError) as e:
+            raise RequestError(f"values or metadata cannot go into a manifest: {e}") from e
+        return cls(job, step, rank, world, nbytes, digest, values, save_index, metadata, node), rec["checksum"]
+
+
+#: the largest count a commit row may carry (world, bytes, node, save index): what a manifest's JSON holds exactly
+_MAX_COUNT = 2**53
+
+
+def _count(rec: dict, name: str, default: int | None = None) -> int:
+    """``rec[name]`` as a non-negative integer (``default`` when absent); RequestError otherwise."""
+    v = rec.get(name, default) if default is not None else rec[name]
+    if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= _MAX_COUNT:
+        raise RequestError(f"{name} must be an integer from 0 to {_MAX_COUNT}, got {str(v)[:40]}")
+    return v
 
 
 class StepBook:
@@ -122,6 +144,16 @@ class StepBook:
         self.lower_known = False
         #: manifests parsed here, for every part that reads one again (drains, healing)
         self.manifests = ManifestCache()
+        self._locks: dict[str, asyncio.Lock] = {}
+
+    def lock(self, job: str) -> asyncio.Lock:
+        """The job's commit lock: a step's manifest is written and its drains queued under it, and a rewind
+        holds it while it drops steps, so a rewind never interleaves with a commit. A step the rewind
+        forgot before its commit took the lock is not committed (see :meth:`commit_manifest`)."""
+        lk = self._locks.get(job)
+        if lk is None:
+            lk = self._locks[job] = asyncio.Lock()
+        return lk
 
     # ------------------------------------------------------------------ what is known
     def seen(self, job: str, step: int) -> None:
@@ -164,11 +196,15 @@ class StepBook:
             self.settle(job, step)
 
     def forget(self, job: str, step: int) -> None:
-        """Forget a step entirely (the job resumed from an earlier one); whoever waits for it is released."""
+        """Forget a step entirely (the job resumed from an earlier one); whoever waits for it is released.
+        The commit tree forgets its manifest too: the new run's rows for the same step are new rows, not
+        late ones to answer with the manifest of the run that failed."""
         self.pending.pop((job, step), None)
         ev = self.settled.pop((job, step), None)
         if ev is not None:
             ev.set()
+        if self.tree is not None:
+            self.tree.forget(job, {step})
 
     # ------------------------------------------------------------------ intake
     def admit(self, row: Row, *, local: bool) -> Pending | None:
@@ -247,11 +283,16 @@ class StepBook:
             data = m.to_bytes()
             self.manifests.remember(data, m)
         except Exception as e:
+            if self.pending.get(key) is not pend:
+                # a rewind (or retention) dropped the step and its shards meanwhile: no failure of the job
+                log.info("%s step %d not committed: dropped (rewound, or abandoned by retention) while "
+                         "it was finishing (%s)", job, step, e)
+                return
             self.error(job, f"step {step} could not be committed to memory: {e}")
             self.pending.pop(key, None)
             self.settled.setdefault(key, asyncio.Event()).set()
             return
-        await self.commit_manifest(m, data, broadcast=True)
+        await self.commit_manifest(m, data, broadcast=True, pend=pend)
 
     async def receive_manifest(self, data: bytes) -> bool:
         """A manifest the commit tree's root built: verify it and commit the step here. True if new here."""
@@ -263,32 +304,63 @@ class StepBook:
         if (m.job, m.step) not in self.pending and os.path.exists(self.memory.path(keys.manifest_key(m.job, m.step))):
             self.tree.committed(m.job, m.step, data)
             return False
+        stale = self._other_run(m)
+        if stale:
+            log.warning("%s step %d: a manifest sent down the commit tree was refused: %s", m.job, m.step, stale)
+            return False
         # a step this node's ranks committed is finished here even when its manifest came first another way
         # (a peer's re-replication pushes manifests): its drains are queued and waiting trainers released
         return await self.commit_manifest(m, data)
 
-    async def commit_manifest(self, m: Manifest, data: bytes, broadcast: bool = False) -> bool:
+    def _other_run(self, m: Manifest) -> str:
+        """Why ``m`` cannot be this node's commit of its step ("" when it can): a shard this node took from
+        a trainer has another checksum (the manifest is of a run a rewind dropped), or is not here."""
+        pend = self.pending.get((m.job, m.step))
+        for sh in m.shards:
+            if pend is not None and sh.rank in pend.checksums:
+                fut = pend.checksums[sh.rank]
+                if fut.done() and not fut.cancelled() and fut.exception() is None and fut.result() != sh.checksum:
+                    return (f"rank {sh.rank}'s shard here has checksum {fut.result()}, the manifest says "
+                            f"{sh.checksum} (a manifest of a run that was rewound)")
+            elif pend is None and sh.node == self.me:
+                try:
+                    size = os.path.getsize(self.memory.path(keys.shard_key(m.job, m.step, sh.rank)))
+                except OSError:
+                    size = None
+                if size != sh.size:
+                    return f"rank {sh.rank}'s shard, which this node took, is not here with {sh.size} bytes"
+        return ""
+
+    async def commit_manifest(self, m: Manifest, data: bytes, broadcast: bool = False,
+                              pend: Pending | None = None) -> bool:
         """Commit a step in this node's memory: the manifest written last, then the drains it is due.
 
+        Runs under the job's :meth:`lock`. ``pend``: the entry the manifest was built from; when a rewind
+        forgot it meanwhile, nothing is written (the step's shards are gone with it) and False is returned.
         With ``broadcast`` (at the commit tree's root) the manifest goes down the tree as soon as it is
         committed here, before this node's drains are queued and its memory trimmed."""
         job, step = m.job, m.step
         key = (job, step)
-        self.settled.setdefault(key, asyncio.Event())
-        try:
-            await asyncio.to_thread(self.memory.put, keys.manifest_key(job, step), data)
-        except Exception as e:
-            self.error(job, f"step {step} could not be committed to memory: {e}")
+        async with self.lock(job):
+            if pend is not None and self.pending.get(key) is not pend:
+                log.info("%s step %d not committed: dropped (rewound, or abandoned by retention) while "
+                         "it was finishing", job, step)
+                return False
+            settled = self.settled.setdefault(key, asyncio.Event())
+            try:
+                await asyncio.to_thread(self.memory.put, keys.manifest_key(job, step), data)
+            except Exception as e:
+                self.error(job, f"step {step} could not be committed to memory: {e}")
+                self.pending.pop(key, None)
+                settled.set()
+                return False
             self.pending.pop(key, None)
-            self.settled[key].set()
-            return False
-        self.pending.pop(key, None)
-        self.seen(job, step)
-        self.stats["saves"] += 1
-        if self.tree is not None:
-            self.tree.committed(job, step, data)
-            if broadcast:
-                self.tree.broadcast(data)
-        await self.on_commit(m)
-        await asyncio.to_thread(step_index.note_commit, self.memory, m)
+            self.seen(job, step)
+            self.stats["saves"] += 1
+            if self.tree is not None:
+                self.tree.committed(job, step, data)
+                if broadcast:
+                    self.tree.broadcast(data)
+            await self.on_commit(m)
+            await asyncio.to_thread(step_index.note_commit, self.memory, m)
         return True

@@ -10,6 +10,7 @@ says what is wrong and what to do, and exit non-zero.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import mmap
@@ -160,7 +161,12 @@ def cmd_agent(a: argparse.Namespace) -> int:
              "prefetch": a.prefetch}
     s = _settings(a, extra)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    return run_agent(s)
+    from agents.peer_server import PeerServerError
+
+    try:
+        return run_agent(s)
+    except PeerServerError as e:  # the settings ask for a peer server that may not run (no secret off loopback)
+        raise SettingsError(str(e)) from e
 
 
 def cmd_status(a: argparse.Namespace) -> int:
@@ -677,6 +683,42 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run one ``ckpt`` command; return its exit status.
+
+    Every failure reaches the user as one line on stderr (``ckpt: error: ...``) and a non-zero status:
+    2 for unusable flags or settings, 3 when a shard or step is damaged, 1 for anything else (130 on
+    Ctrl-C). An error this module does not expect is printed the same way, with its type; set
+    ``CKPT_TRACEBACK=1`` to get the traceback instead.
+    """
+    try:
+        status = _run(argv)
+        sys.stdout.flush()  # here, not at exit: a reader that went away is reported like any other error
+        return status
+    except BrokenPipeError:
+        # whoever read our output stopped (``| head``): nothing more can reach stdout, and the interpreter's
+        # flush at exit must not print a traceback about it
+        with contextlib.suppress(OSError):
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())
+        _error("the output was closed before everything was written (broken pipe)")
+        return EXIT_ERROR
+    except KeyboardInterrupt:
+        return 130
+    except Exception as e:
+        if os.environ.get("CKPT_TRACEBACK"):
+            raise
+        _error(f"unexpected {type(e).__name__}: {e} (set CKPT_TRACEBACK=1 to see where)")
+        return EXIT_ERROR
+
+
+def _error(message: str) -> None:
+    """Print one line: newlines inside ``message`` (an error's text) are folded into it."""
+    line = " ".join(str(message).split()) or "failed"
+    with contextlib.suppress(OSError, ValueError):
+        print(f"ckpt: error: {line}", file=sys.stderr, flush=True)
+
+
+def _run(argv: list[str] | None) -> int:
     p = build_parser()
     a = p.parse_args(argv)
     try:
@@ -684,17 +726,17 @@ def main(argv: list[str] | None = None) -> int:
             raise InvalidNameError(f"invalid step {a.step}: a step is an integer >= 0")
         return a.fn(a)
     except (InvalidNameError, SettingsError) as e:
-        print(f"ckpt: error: {e}", file=sys.stderr)
+        _error(str(e))
         return EXIT_USAGE
     except ShardUnavailableError as e:
-        print(f"ckpt: error: {e}", file=sys.stderr)
+        _error(str(e))
         return EXIT_CORRUPT
+    except BrokenPipeError:
+        raise
     except (JobNotFoundError, StepNotFoundError, ManifestError, CliError, TierError, AgentError,
             AgentUnreachableError, OSError) as e:
-        print(f"ckpt: error: {e}", file=sys.stderr)
+        _error(str(e))
         return EXIT_ERROR
-    except KeyboardInterrupt:
-        return 130
 
 
 if __name__ == "__main__":
