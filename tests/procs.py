@@ -62,6 +62,18 @@ def ckpt_counting_opens(*args: str, timeout: float = 600) -> tuple[subprocess.Co
     return p, opened
 
 
+def write_secret(path: str) -> str:
+    """Write a fresh per-job secret to ``path`` (mode 0600, as agents require); return ``path``."""
+    import secrets
+
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        os.write(fd, secrets.token_hex(32).encode())
+    finally:
+        os.close(fd)
+    return path
+
+
 def start_agent(shm: str, *args: str, log: str | None = None, extra_env: dict | None = None) -> subprocess.Popen:
     """Start ``ckpt agent --shm SHM ARGS`` and wait until it answers; its output goes to ``proc.log_path``."""
     log = log or os.path.join(os.path.dirname(shm), f"agent-{time.monotonic_ns()}.log")
