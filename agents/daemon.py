@@ -263,12 +263,12 @@ class Agent:
         except (OSError, AttributeError) as e:
             # who connected cannot be told, so it cannot be trusted
             self._refuse_local(f"a connection whose credentials cannot be read ({e})")
-            await self._close_refused(writer, "the agent cannot read this connection's credentials")
+            await self._close_refused(reader, writer, "the agent cannot read this connection's credentials")
             return
         if not trusted_uid(uid):
             self._refuse_local(f"pid {conn.pid} running as uid {uid}")
             await self._close_refused(
-                writer, f"this agent serves only uid {os.getuid()}; you are uid {uid}: run your own agent "
+                reader, writer, f"this agent serves only uid {os.getuid()}; you are uid {uid}: run your own agent "
                         "(ckpt agent --shm DIR)")
             return
         self._conns.add(conn)
@@ -320,9 +320,13 @@ class Agent:
                         who, self.stats["refused_connections"], os.getuid())
 
     @staticmethod
-    async def _close_refused(writer: asyncio.StreamWriter, message: str) -> None:
+    async def _close_refused(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, message: str) -> None:
+        """Answer a refused connection with one error line and close it, having read (and dropped) what its
+        first request sent for up to a second: closing on unread bytes would reset the connection before the
+        client reads why."""
         with contextlib.suppress(Exception):
             await Agent._reply(writer, {"ok": False, "error": "PermissionError", "message": message})
+            await asyncio.wait_for(reader.read(1 << 16), 1.0)
         with contextlib.suppress(Exception):
             writer.close()
 
