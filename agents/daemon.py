@@ -52,7 +52,7 @@ from tiers.checksum import checksum_file
 from tiers.disk import DiskTier
 from tiers.errors import TierError
 
-from .config import Settings, private_socket_folder
+from .config import Settings, SettingsError, private_socket_folder
 from .drain import ByteBudget, Drainer, delete_step
 from .layouts import LayoutBook
 from .protocol import MAX_LINE, PROTOCOL_VERSION, RequestError, peer_credentials, trusted_uid
@@ -552,4 +552,7 @@ def run_agent(settings: Settings, *, embedded: bool = False, idle_exit: float | 
     except AgentAlreadyRunningError as e:
         log.error("%s", e)
         return 3
+    except SettingsError as e:  # e.g. a socket folder that belongs to another user
+        log.error("%s", e)
+        return 2
     return 0

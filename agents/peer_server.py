@@ -24,7 +24,10 @@ The node agent adds its own routes, all signed, with small JSON bodies: ``POST /
 With a secret, every other request must carry a valid signature
 (:mod:`tiers.wire`) or is answered 401 with a one-line reason; the refusal is
 logged (logger ``tierckpt.peer``) and the server carries on. Without a secret
-the server accepts unsigned requests and so listens on loopback only.
+the server accepts unsigned requests and so listens on loopback only; that is
+for tests and debugging by hand: an agent with peers always has a secret
+(:class:`agents.config.Settings` refuses peers without one), since any local
+user can reach a loopback port.
 
 An upload is written to a dot-named temp file beside its key (``.tmp-peer-…``,
 never listed, swept by the agent at start), checked against its checksum as it
