@@ -602,3 +602,48 @@ def test_existing_files_of_an_older_run_are_tightened(tmp_path):
     finally:
         client.close()
     assert _modes(shm) == []
+
+
+_REQUEST_LINES = st.sampled_from([b"GET /v1/health HTTP/1.1\r\n", b"PUT /v1/o/j/step-1/manifest.json HTTP/1.1\r\n",
+                                  b"POST /v1/up HTTP/1.1\r\n", b"GET /metrics HTTP/1.1\r\n", b""])
+
+
+def test_fuzzed_unauthenticated_bytes_never_log_a_traceback_nor_more_than_a_line_per_window(tmp_path, caplog):
+    """Hypothesis throws request lines followed by random bytes at a signed server: whatever they are, nothing
+    is logged with a traceback, the log stays a few lines per 10 s window, and a signed client is served."""
+    import logging
+
+    thread, addr, _ = start_peer_server(tmp_path / "shm", SECRET, auth_timeout=5.0)
+    host, port = addr.rsplit(":", 1)
+    sent = []
+
+    @settings(max_examples=150, deadline=None)
+    @given(_REQUEST_LINES, st.binary(max_size=2048))
+    def throw(line, junk):
+        with socket.create_connection((host, int(port)), timeout=30) as s:
+            try:
+                s.sendall(line + junk)
+                s.shutdown(socket.SHUT_WR)
+                while s.recv(4096):
+                    pass
+            except (ConnectionResetError, BrokenPipeError):
+                pass
+        sent.append(1)
+
+    try:
+        t0 = time.monotonic()
+        with caplog.at_level(logging.INFO):
+            throw()
+            records = [r for r in caplog.records if r.name.startswith(("tierckpt.peer", "aiohttp"))]
+        windows = (time.monotonic() - t0) / 10.0 + 1
+        assert not [r for r in records if r.exc_info], [r.getMessage() for r in records if r.exc_info][:3]
+        assert len(records) <= 2 * windows + 2, [r.getMessage() for r in records][:20]
+        got, errors = _signed_health_within(addr, SECRET, deadline=60)
+        assert got is not None, errors[-3:]
+        text = metrics(addr)
+        refused = sum(counter(text, name) for name in ("tierckpt_peer_bad_requests_total",
+                                                         "tierckpt_peer_auth_failures_total",
+                                                         "tierckpt_peer_connections_evicted_total"))
+        assert refused >= 1 and len(sent) >= 100
+    finally:
+        thread.stop()
