@@ -95,9 +95,9 @@ def _connect(path: str, timeout: float | None) -> socket.socket:
         ) from e
     try:
         _pid, uid, _gid = peer_credentials(s)
-    except OSError as e:
+    except (OSError, AttributeError) as e:  # AttributeError: a platform without SO_PEERCRED
         s.close()
-        raise AgentUnreachableError(f"cannot tell who listens on {path}: {e.strerror}") from e
+        raise AgentUnreachableError(f"cannot tell who listens on {path} ({e}): the agent needs Linux") from e
     if not trusted_uid(uid):
         s.close()
         raise UntrustedPeerError(
