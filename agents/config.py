@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import os
+import stat
 from dataclasses import dataclass, field, fields
 from typing import Any, Mapping
 
@@ -22,7 +23,10 @@ except ModuleNotFoundError:  # Python 3.10
 
 from tiers.memory import default_shm_root
 
-__all__ = ["Settings", "SettingsError", "socket_path_for"]
+__all__ = ["Settings", "SettingsError", "private_socket_folder", "socket_path_for"]
+
+#: longest filesystem path a Unix socket may have (``sun_path`` is 108 bytes with its NUL; kept below it)
+_MAX_SOCKET_PATH = 100
 
 
 class SettingsError(ValueError):
@@ -69,7 +73,8 @@ class Settings:
     #: the job's agents: a file with one ``host:port [domain=LABEL]`` per line in node-rank
     #: order, or the same entries comma-separated inline; None = this node alone
     peers: str | None = None
-    #: file holding the per-job secret that signs every peer request (required off loopback)
+    #: file holding the per-job secret that signs every peer request (required whenever ``peers`` is set,
+    #: loopback included: without it any local user could read, overwrite or delete the node's checkpoints)
     secret_file: str | None = None
     #: copies of every shard in host memory, the node's own included
     replicas: int = 2
@@ -113,6 +118,18 @@ class Settings:
             raise SettingsError(f"fanout must be an integer >= 1, got {self.fanout!r}")
         if self.max_inflight_bytes < 1:
             raise SettingsError("max_inflight_bytes must be >= 1")
+        if self.peers and not self.secret_file:
+            raise SettingsError(
+                "peers need a secret, even on loopback: create one with (umask 077; head -c 32 /dev/urandom "
+                "| base64 > job.secret), the same file on every node, and pass --secret-file job.secret "
+                "(or CKPT_SECRET_FILE)")
+        if self.socket is not None and (self.socket.startswith(("\0", "@")) or not self.socket.strip()):
+            raise SettingsError(
+                f"socket {self.socket!r} is not a filesystem path: the abstract namespace has no permissions, so "
+                "any local user could reach the agent; give a path in a folder only you can enter")
+        if self.socket is not None and len(os.path.abspath(self.socket).encode()) >= _MAX_SOCKET_PATH:
+            raise SettingsError(f"socket path {self.socket!r} is {len(os.path.abspath(self.socket).encode())} "
+                                f"bytes, over the {_MAX_SOCKET_PATH - 1} a Unix socket allows: give a shorter one")
         return self
 
     @property
@@ -182,8 +199,39 @@ def _coerce(name: str, typ: Any, v: Any) -> Any:
 
 
 def socket_path_for(shm: str) -> str:
-    """The agent's Unix socket for a memory folder (abstract namespace when the path is too long)."""
+    """The agent's Unix socket for a memory folder: ``<shm>/.agent.sock``.
+
+    When that path is too long for a Unix socket, a file named by a hash of the
+    folder in :func:`private_socket_folder` instead; never the abstract
+    namespace, which has no permissions. Creates nothing.
+    """
     path = os.path.join(os.path.abspath(shm), ".agent.sock")
-    if len(path.encode()) < 100:
+    if len(path.encode()) < _MAX_SOCKET_PATH:
         return path
-    return "\0tierckpt-" + hashlib.sha1(os.path.abspath(shm).encode()).hexdigest()[:20]
+    name = hashlib.sha1(os.path.abspath(shm).encode()).hexdigest()[:24] + ".sock"
+    return os.path.join(_short_socket_folder(), name)
+
+
+def _short_socket_folder() -> str:
+    return f"/tmp/tierckpt-{os.getuid()}"
+
+
+def private_socket_folder(socket_path: str) -> str:
+    """Make sure the folder of ``socket_path`` exists, is owned by this user and only this user can enter it.
+
+    Creates it (mode 0700) when missing, and tightens a folder of this user's to 0700. Raises
+    :class:`SettingsError` when it belongs to another user (who could then replace the socket). Returns the folder.
+    """
+    folder = os.path.dirname(os.path.abspath(socket_path))
+    try:
+        os.makedirs(folder, mode=0o700, exist_ok=True)
+        st = os.lstat(folder)
+    except OSError as e:
+        raise SettingsError(f"cannot create the agent's socket folder {folder}: {e.strerror}; give --socket "
+                            "a path in a folder you own") from e
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
+        raise SettingsError(f"the agent's socket folder {folder} is not a folder owned by uid {os.getuid()}: "
+                            "remove it, or give --socket a path in a folder you own")
+    if stat.S_IMODE(st.st_mode) & 0o077:
+        os.chmod(folder, 0o700)
+    return folder

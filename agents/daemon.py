@@ -41,8 +41,6 @@ import json
 import logging
 import os
 import signal
-import socket
-import struct
 import time
 from dataclasses import dataclass, field
 
@@ -54,10 +52,10 @@ from tiers.checksum import checksum_file
 from tiers.disk import DiskTier
 from tiers.errors import TierError
 
-from .config import Settings
+from .config import Settings, SettingsError, private_socket_folder
 from .drain import ByteBudget, Drainer, delete_step
 from .layouts import LayoutBook
-from .protocol import MAX_LINE, PROTOCOL_VERSION, RequestError
+from .protocol import MAX_LINE, PROTOCOL_VERSION, RequestError, peer_credentials, trusted_uid
 from .replicator import Replicator
 from .stepbook import Row, StepBook
 from .tierset import disk_tier, memory_tier, s3_tier
@@ -66,6 +64,9 @@ from .warm import WarmRestore, idle_report
 __all__ = ["Agent", "AgentAlreadyRunningError", "run_agent"]
 
 log = logging.getLogger("tierckpt.agent")
+
+#: seconds between two log lines about connections refused on the control socket (each is counted)
+_REFUSAL_LOG_EVERY = 10.0
 
 
 class AgentAlreadyRunningError(RuntimeError):
@@ -92,7 +93,8 @@ class Agent:
         self.disk: Tier | None = disk_tier(settings)
         self.s3: Tier | None = s3_tier(settings)
         self.lower: list[Tier] = [t for t in (self.disk, self.s3) if t is not None]
-        self.stats = {"saves": 0, "bytes_in": 0, "drained": {t.name: 0 for t in self.lower}, "replicated_bytes": 0}
+        self.stats = {"saves": 0, "bytes_in": 0, "drained": {t.name: 0 for t in self.lower}, "replicated_bytes": 0,
+                      "refused_connections": 0}
         self.me = settings.node_rank
         self.layouts = LayoutBook(self.memory, settings.layout_grace)
         self.book = StepBook(self.memory, self.me, self.stats)
@@ -108,6 +110,9 @@ class Agent:
         self._stop: asyncio.Event | None = None
         self._lock_fd: int | None = None
         self._server: asyncio.AbstractServer | None = None
+        #: ``(pid, uid, gid)`` of a connected socket's other end; replaced by tests
+        self._credentials = peer_credentials
+        self._refusal_logged_at = -1e9
         self.replicator: Replicator | None = None
         self.warm: WarmRestore | None = None
         if settings.peers:
@@ -117,6 +122,9 @@ class Agent:
 
     # ------------------------------------------------------------------ lifecycle
     def _take_lock(self) -> None:
+        with contextlib.suppress(OSError):  # the memory folder is this user's alone (a folder of another's stays)
+            if os.stat(self.memory.root).st_uid == os.getuid():
+                os.chmod(self.memory.root, 0o700)
         path = os.path.join(self.memory.root, ".agent.lock")
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
         try:
@@ -142,12 +150,12 @@ class Agent:
             await self.replicator.start()
             self.warm.start()
         path = self.settings.socket_path
-        if not path.startswith("\0"):
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(path)
+        private_socket_folder(path)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+        # the folder is this user's alone (0700), so nobody else can reach the socket before the chmod either
         self._server = await asyncio.start_unix_server(self._handle, path=path, limit=MAX_LINE)
-        if not path.startswith("\0"):
-            os.chmod(path, 0o600)
+        os.chmod(path, 0o600)
         log.info(
             "agent %d ready on %s (memory %s, disk %s, s3 %s)",
             os.getpid(), path.replace("\0", "@"), self.memory.root, self.settings.disk, self.settings.s3,
@@ -185,10 +193,8 @@ class Agent:
                         json.dumps(abandoned))
         else:
             log.info("agent stopping: every write finished")
-        path = self.settings.socket_path
-        if not path.startswith("\0"):
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(path)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.settings.socket_path)
         for t in self.lower:
             with contextlib.suppress(Exception):
                 t.close()
@@ -253,10 +259,18 @@ class Agent:
         conn = _Conn()
         sock = writer.get_extra_info("socket")
         try:
-            cred = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-            conn.pid = struct.unpack("3i", cred)[0]
-        except (OSError, AttributeError):
-            conn.pid = id(conn)
+            conn.pid, uid, _gid = self._credentials(sock)
+        except (OSError, AttributeError) as e:
+            # who connected cannot be told, so it cannot be trusted
+            self._refuse_local(f"a connection whose credentials cannot be read ({e})")
+            await self._close_refused(reader, writer, "the agent cannot read this connection's credentials")
+            return
+        if not trusted_uid(uid):
+            self._refuse_local(f"pid {conn.pid} running as uid {uid}")
+            await self._close_refused(
+                reader, writer, f"this agent serves only uid {os.getuid()}; you are uid {uid}: run your own agent "
+                        "(ckpt agent --shm DIR)")
+            return
         self._conns.add(conn)
         try:
             while True:
@@ -295,6 +309,26 @@ class Agent:
                 await self._slots_freed()
             with contextlib.suppress(Exception):
                 writer.close()
+
+    def _refuse_local(self, who: str) -> None:
+        """Count a refused connection and log it, at most once per ``_REFUSAL_LOG_EVERY`` seconds."""
+        self.stats["refused_connections"] += 1
+        now = time.monotonic()
+        if now - self._refusal_logged_at >= _REFUSAL_LOG_EVERY:
+            self._refusal_logged_at = now
+            log.warning("refused %s on the control socket (%d refused so far): only uid %d and root are served",
+                        who, self.stats["refused_connections"], os.getuid())
+
+    @staticmethod
+    async def _close_refused(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, message: str) -> None:
+        """Answer a refused connection with one error line and close it, having read (and dropped) what its
+        first request sent for up to a second: closing on unread bytes would reset the connection before the
+        client reads why."""
+        with contextlib.suppress(Exception):
+            await Agent._reply(writer, {"ok": False, "error": "PermissionError", "message": message})
+            await asyncio.wait_for(reader.read(1 << 16), 1.0)
+        with contextlib.suppress(Exception):
+            writer.close()
 
     @staticmethod
     async def _reply(writer: asyncio.StreamWriter, resp: dict) -> None:
@@ -405,7 +439,8 @@ class Agent:
     def _metrics(self) -> dict[str, float]:
         out = {"tierckpt_saves_total": self.stats["saves"], "tierckpt_bytes_in_total": self.stats["bytes_in"],
                "tierckpt_replicated_bytes_total": self.stats["replicated_bytes"],
-               "tierckpt_inflight_bytes": self._budget.used}
+               "tierckpt_inflight_bytes": self._budget.used,
+               "tierckpt_control_refused_total": self.stats["refused_connections"]}
         if self.replicator is not None:
             out["tierckpt_peers_alive"] = len(self.replicator.members.alive()) - 1
         return out
@@ -511,11 +546,19 @@ class Agent:
 
 
 def run_agent(settings: Settings, *, embedded: bool = False, idle_exit: float | None = None) -> int:
-    """Run an agent in this process until it is stopped; return the exit status."""
+    """Run an agent in this process until it is stopped; return the exit status.
+
+    The process's umask becomes 077: every file the agent writes (shards, manifests, indexes, logs, locks) is
+    readable by its user alone, and every folder it creates is 0700.
+    """
+    os.umask(0o077)
     agent = Agent(settings, embedded=embedded, idle_exit=idle_exit)
     try:
         asyncio.run(agent.serve())
     except AgentAlreadyRunningError as e:
         log.error("%s", e)
         return 3
+    except SettingsError as e:  # e.g. a socket folder that belongs to another user
+        log.error("%s", e)
+        return 2
     return 0

@@ -15,6 +15,27 @@ from .protocol import AgentClient, AgentUnreachableError
 __all__ = ["spawn_agent", "connect_or_spawn"]
 
 
+def _private_folder(path: str) -> None:
+    """Create ``path`` (mode 0700) if missing; a folder of this user's that others may enter becomes 0700."""
+    os.makedirs(path, mode=0o700, exist_ok=True)
+    st = os.stat(path)
+    if st.st_uid == os.getuid() and st.st_mode & 0o077:
+        os.chmod(path, 0o700)
+
+
+def _private_file(path: str, flags: int, mode: str):
+    """Open ``path`` (created 0600; an existing file of this user's is tightened to 0600) as a file object."""
+    fd = os.open(path, flags | os.O_CREAT, 0o600)
+    try:
+        st = os.fstat(fd)
+        if st.st_uid == os.getuid() and st.st_mode & 0o077:
+            os.fchmod(fd, 0o600)
+        return os.fdopen(fd, mode)
+    except BaseException:
+        os.close(fd)
+        raise
+
+
 def spawn_agent(settings: Settings, *, idle_exit: float = 120.0, log_path: str | None = None,
                 timeout: float = 60.0) -> subprocess.Popen:
     """Start ``python -m agents`` for ``settings``; return once its socket answers.
@@ -24,11 +45,11 @@ def spawn_agent(settings: Settings, *, idle_exit: float = 120.0, log_path: str |
     itself after ``idle_exit`` seconds without a trainer connected and with
     nothing left to drain. Raises AgentUnreachableError if it does not come up.
     """
-    os.makedirs(settings.shm, exist_ok=True)
+    _private_folder(settings.shm)
     log_path = log_path or os.path.join(settings.shm, ".agent.log")
     cmd = [sys.executable, "-m", "agents", "--settings-json", json.dumps(settings.to_dict()),
            "--embedded", "--idle-exit", str(idle_exit)]
-    with open(log_path, "ab") as logf:
+    with _private_file(log_path, os.O_WRONLY | os.O_APPEND, "ab") as logf:
         proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=logf, stderr=logf, start_new_session=True)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -62,8 +83,8 @@ def connect_or_spawn(settings: Settings, *, spawn: bool = True, idle_exit: float
                 f"no tierckpt agent answers on {settings.socket_path.replace(chr(0), '@')}: start `ckpt agent`"
             )
         return client, False
-    os.makedirs(settings.shm, exist_ok=True)
-    with open(os.path.join(settings.shm, ".spawn.lock"), "w") as lockf:
+    _private_folder(settings.shm)
+    with _private_file(os.path.join(settings.shm, ".spawn.lock"), os.O_WRONLY, "w") as lockf:
         fcntl.flock(lockf, fcntl.LOCK_EX)
         client = AgentClient.try_connect(settings.socket_path)
         if client is not None:

@@ -24,13 +24,25 @@ The node agent adds its own routes, all signed, with small JSON bodies: ``POST /
 With a secret, every other request must carry a valid signature
 (:mod:`tiers.wire`) or is answered 401 with a one-line reason; the refusal is
 logged (logger ``tierckpt.peer``) and the server carries on. Without a secret
-the server accepts unsigned requests and so listens on loopback only.
+the server accepts unsigned requests and so listens on loopback only; that is
+for tests and debugging by hand: an agent with peers always has a secret
+(:class:`agents.config.Settings` refuses peers without one), since any local
+user can reach a loopback port.
 
 An upload is written to a dot-named temp file beside its key (``.tmp-peer-…``,
 never listed, swept by the agent at start), checked against its checksum as it
 arrives, and renamed into place only when whole and correct. An upload sent
 with ``Expect: 100-continue`` is authenticated and size-checked before its body
 is asked for, so a refused upload costs no transfer.
+
+Connections: a connection counts as a source's (its address's) only once a request on it authenticated;
+each source may hold ``max_connections`` of them, and a request past that is answered 503 (busy, which
+clients retry) and its connection closed. Until then a connection is pending: it must deliver a complete
+request head within ``auth_timeout`` seconds, and when more than ``max_pending`` are pending the oldest of
+the source holding the most is closed. So a flood of half-sent requests, from any number of connections,
+can never keep a signed client out. Requests refused for their signature close their connection.
+Malformed requests and refusals are counted in ``/metrics`` and logged one line at a time, at most one
+per ``_LOG_WINDOW`` seconds (then a count of the others), never with a traceback.
 
 Limits: request line and each header ≤ MAX_HEADER_SIZE bytes, ≤ MAX_HEADERS
 headers, keys ≤ MAX_KEY_LEN bytes, bodies other than uploads ≤
@@ -65,6 +77,7 @@ import uuid
 from typing import Any, Awaitable, Callable, Iterable
 
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 
 from recovery import step_index
 from tiers import keys
@@ -93,7 +106,8 @@ from tiers.wire import (
     load_secret,
 )
 
-__all__ = ["PeerServer", "PeerServerError", "Handler", "MAX_CONNECTIONS", "KEEPALIVE_TIMEOUT"]
+__all__ = ["PeerServer", "PeerServerError", "Handler", "MAX_CONNECTIONS", "MAX_PENDING", "AUTH_TIMEOUT",
+           "KEEPALIVE_TIMEOUT"]
 
 log = logging.getLogger("tierckpt.peer")
 
@@ -103,26 +117,100 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 _READ_BUFSIZE = 4 << 20
 #: seconds ``stop`` waits for requests in flight
 _SHUTDOWN_TIMEOUT = 5.0
-#: open connections one server serves at once (every peer keeps a few: one per thread that talks to it)
+#: authenticated connections one source address may hold (every peer keeps a few: one per thread that talks
+#: to it; agents on one host share its address)
 MAX_CONNECTIONS = 512
+#: connections whose first request has not authenticated yet, from every source together
+MAX_PENDING = 1024
+#: seconds a new connection has to deliver its first complete request head
+AUTH_TIMEOUT = 10.0
 #: seconds a connection may stay open without completing a request (idle, or dribbling its headers)
 KEEPALIVE_TIMEOUT = 75.0
 #: refusals logged per window before they are only counted
-_LOG_BURST, _LOG_WINDOW = 5, 10.0
+_LOG_BURST, _LOG_WINDOW = 1, 10.0
 _KNOWN_METHODS = frozenset({"GET", "HEAD", "PUT", "POST", "DELETE", "OPTIONS", "PATCH"})
 _METRIC_NAME_RE = re.compile(r"^[a-zA-Z_:][a-zA-Z0-9_:]*\Z")
 #: where a request keeps the sender's node rank once authenticated (None when unsigned)
 _AUTHED: Any = web.RequestKey("tierckpt_node", object) if hasattr(web, "RequestKey") else "tierckpt_node"
 
 
-class _Refuse(asyncio.Protocol):
-    """Answers one connection over the cap with 503 (clients retry it as busy) and closes it."""
+class _Gate(asyncio.Protocol):
+    """One connection: the aiohttp handler it wraps, and where the server counts it (pending, then authenticated).
+
+    Every transport callback goes straight to the handler; the gate only tells the server when the connection
+    opens and closes, and from which source address.
+    """
+
+    __slots__ = ("inner", "server", "source", "transport", "authed", "closed", "timer")
+
+    def __init__(self, server: "PeerServer", inner: asyncio.Protocol) -> None:
+        self.server = server
+        self.inner = inner
+        self.source = "?"
+        self.transport: asyncio.BaseTransport | None = None
+        self.authed = False
+        self.closed = False
+        self.timer: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        body = b"too many connections to this peer; retry shortly\n"
-        transport.write(b"HTTP/1.1 503 Service Unavailable\r\nConnection: close\r\nContent-Type: text/plain\r\n"
-                        b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
-        transport.close()
+        self.transport = transport
+        peer = transport.get_extra_info("peername")
+        self.source = str(peer[0]) if isinstance(peer, (tuple, list)) and peer else "?"
+        self.server._arrive(self)
+        self.inner.connection_made(transport)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.server._leave(self)
+        self.inner.connection_lost(exc)
+
+    def data_received(self, data: bytes) -> None:
+        self.inner.data_received(data)
+
+    def eof_received(self) -> bool | None:
+        return self.inner.eof_received()
+
+    def pause_writing(self) -> None:
+        self.inner.pause_writing()
+
+    def resume_writing(self) -> None:
+        self.inner.resume_writing()
+
+
+class _HttpLog:
+    """The logger aiohttp's connection handlers report to: a malformed request is counted and logged as one
+    rate-limited line without its traceback; anything else goes to the peer log as it came."""
+
+    def __init__(self, server: "PeerServer") -> None:
+        self.server = server
+
+    def _bad(self, args: tuple, kw: dict) -> bool:
+        exc = kw.get("exc_info")
+        if not isinstance(exc, HttpProcessingError):
+            return False
+        remote = args[1] if len(args) > 1 else "?"
+        self.server._bad_requests += 1
+        self.server._log_limited(f"malformed request from {remote}: {str(exc)[:200]}")
+        return True
+
+    def debug(self, *args: Any, **kw: Any) -> None:
+        if not self._bad(args, kw):
+            log.debug(*args, **kw)
+
+    def exception(self, *args: Any, **kw: Any) -> None:
+        if not self._bad(args, kw):
+            log.exception(*args, **kw)
+
+    def warning(self, *args: Any, **kw: Any) -> None:
+        log.warning(*args, **kw)
+
+    def error(self, *args: Any, **kw: Any) -> None:
+        log.error(*args, **kw)
+
+    def info(self, *args: Any, **kw: Any) -> None:
+        log.info(*args, **kw)
+
+    def isEnabledFor(self, level: int) -> bool:
+        return log.isEnabledFor(level)
 
 
 class PeerServerError(ValueError):
@@ -195,10 +283,14 @@ class PeerServer:
     ``{name: value}`` for ``/metrics``. ``max_skew``: seconds a signed
     timestamp may be off. ``read_timeout``: seconds an upload body may stall.
     ``handler_timeout``: seconds any other request may take, except those on
-    ``long_paths``, which bound their own time. ``max_connections``: open
-    connections served at once; one more is answered 503 (busy, which clients
-    retry) and closed. A client that dribbles its request is cut by the
-    keep-alive timer (``keepalive_timeout`` seconds without a completed request).
+    ``long_paths``, which bound their own time. ``max_connections``:
+    authenticated connections one source address may hold; a request past it
+    is answered 503 (busy, which clients retry) and its connection closed.
+    ``max_pending``: connections not yet authenticated, all sources together
+    (past it the oldest of the source holding the most is closed);
+    ``auth_timeout``: seconds a connection has to deliver its first request
+    head. A client that dribbles its request is cut by the keep-alive timer
+    (``keepalive_timeout`` seconds without a completed request).
 
     Call order: ``await start()`` once, then ``await stop()`` once. Raises
     :class:`PeerServerError` at construction when asked to listen on a
@@ -224,6 +316,8 @@ class PeerServer:
         long_paths: Iterable[str] = (),
         max_connections: int = MAX_CONNECTIONS,
         keepalive_timeout: float = KEEPALIVE_TIMEOUT,
+        max_pending: int = MAX_PENDING,
+        auth_timeout: float = AUTH_TIMEOUT,
     ) -> None:
         if not secret and not _is_loopback(host):
             raise PeerServerError(
@@ -234,9 +328,22 @@ class PeerServer:
             raise PeerServerError(f"port {port} is not in 0..65535")
         if max_body < 0:
             raise PeerServerError("max_body must be >= 0 bytes")
-        if max_connections < 1:
-            raise PeerServerError("max_connections must be >= 1")
+        if max_connections < 1 or max_pending < 1:
+            raise PeerServerError("max_connections and max_pending must be >= 1")
+        if not auth_timeout > 0:
+            raise PeerServerError("auth_timeout must be > 0 seconds")
         self.max_connections = int(max_connections)
+        self.max_pending = int(max_pending)
+        self.auth_timeout = float(auth_timeout)
+        #: connections not yet authenticated, by source address, oldest first
+        self._pending: dict[str, dict[_Gate, None]] = {}
+        self._pending_total = 0
+        #: authenticated connections by source address
+        self._authed: collections.Counter[str] = collections.Counter()
+        #: the gate of each open connection, by its aiohttp handler (``request.protocol``)
+        self._gates: dict[Any, _Gate] = {}
+        self._evicted = 0
+        self._bad_requests = 0
         self.keepalive_timeout = float(keepalive_timeout)
         self._listener: asyncio.AbstractServer | None = None
         self.memory = memory
@@ -325,16 +432,13 @@ class PeerServer:
             self._app, handle_signals=False, access_log=None, shutdown_timeout=_SHUTDOWN_TIMEOUT,
             max_line_size=MAX_HEADER_SIZE, max_field_size=MAX_HEADER_SIZE, max_headers=MAX_HEADERS,
             read_bufsize=_READ_BUFSIZE, keepalive_timeout=self.keepalive_timeout, lingering_time=2.0,
+            logger=_HttpLog(self),
         )
         await runner.setup()
         server = runner.server
 
         def protocol() -> asyncio.BaseProtocol:
-            if len(server.connections) >= self.max_connections:
-                log.warning("%s: %d connections open, refusing one more", self.describe(), self.max_connections)
-                self._refused_connections += 1
-                return _Refuse()
-            return server()
+            return _Gate(self, server())
 
         try:
             self._listener = await asyncio.get_running_loop().create_server(
@@ -363,9 +467,74 @@ class PeerServer:
     async def __aexit__(self, *exc: Any) -> None:
         await self.stop()
 
+    # -- connections: pending until a request on them authenticates -----------------------------------
+    def _arrive(self, gate: _Gate) -> None:
+        """A connection opened: it is pending; make room among the pending ones if there are too many."""
+        self._gates[gate.inner] = gate
+        self._pending.setdefault(gate.source, {})[gate] = None
+        self._pending_total += 1
+        gate.timer = asyncio.get_running_loop().call_later(self.auth_timeout, self._expire, gate)
+        while self._pending_total > self.max_pending:
+            # the oldest connection of the source holding the most: a flood only ever evicts its own
+            order = sorted(self._pending, key=lambda src: len(self._pending[src]), reverse=True)
+            victim = next((g for src in order for g in self._pending[src] if g is not gate), None)
+            if victim is None:
+                break
+            self._drop(victim, f"{self._pending_total - 1} other connections were waiting to authenticate")
+
+    def _expire(self, gate: _Gate) -> None:
+        if not gate.authed and not gate.closed:
+            self._drop(gate, f"no request authenticated within {self.auth_timeout:g} s")
+
+    def _drop(self, gate: _Gate, why: str) -> None:
+        """Close a pending connection now."""
+        self._unpend(gate)
+        gate.closed = True
+        self._evicted += 1
+        self._log_limited(f"closed a connection from {gate.source} before it authenticated: {why}")
+        if gate.transport is not None:
+            gate.transport.abort()
+
+    def _unpend(self, gate: _Gate) -> None:
+        queue = self._pending.get(gate.source)
+        if queue is not None and queue.pop(gate, False) is None:
+            self._pending_total -= 1
+            if not queue:
+                del self._pending[gate.source]
+        if gate.timer is not None:
+            gate.timer.cancel()
+            gate.timer = None
+
+    def _leave(self, gate: _Gate) -> None:
+        """A connection closed (by either side)."""
+        self._gates.pop(gate.inner, None)
+        self._unpend(gate)
+        gate.closed = True
+        if gate.authed:
+            gate.authed = False
+            self._authed[gate.source] -= 1
+            if self._authed[gate.source] <= 0:
+                del self._authed[gate.source]
+
+    def _admit(self, request: web.Request) -> web.Response | None:
+        """The request authenticated: count its connection as its source's (None), or refuse it as busy."""
+        gate = self._gates.get(request.protocol)
+        if gate is None or gate.authed or gate.closed:
+            return None
+        self._unpend(gate)
+        if self._authed[gate.source] >= self.max_connections:
+            self._refused_connections += 1
+            self._log_limited(f"{gate.source} holds {self.max_connections} connections: refused one more")
+            refused = _text(503, "too many connections to this peer; retry shortly")
+            refused.force_close()
+            return refused
+        gate.authed = True
+        self._authed[gate.source] += 1
+        return None
+
     # -- authentication, timeouts, errors ----------------------------------------------------
     def _authenticate(self, request: web.Request) -> web.Response | None:
-        """None if the request may proceed, else the answer refusing it."""
+        """None if the request may proceed, else the answer refusing it (its connection is then closed)."""
         if _AUTHED in request:
             return None
         if self._verifier is None:
@@ -373,26 +542,33 @@ class PeerServer:
             if version is not None and version != str(WIRE_VERSION):
                 return _text(400, f"wire version {version[:16]!r} not supported (this node speaks {WIRE_VERSION})")
             request[_AUTHED] = None
-            return None
+            return self._admit(request)
         try:
             request[_AUTHED] = self._verifier.verify(request.method, request.path, request.query,
                                                      request.headers)
         except AuthError as e:
             self._auth_failures[e.reason] += 1
             self._log_refusal(request, str(e))
-            return _text(401, str(e), headers={"WWW-Authenticate": "Tierckpt"})
-        return None
+            refused = _text(401, str(e), headers={"WWW-Authenticate": "Tierckpt"})
+            refused.force_close()
+            return refused
+        return self._admit(request)
 
     def _log_refusal(self, request: web.Request, reason: str) -> None:
+        peer = request.remote or "?"
+        self._log_limited(f"refused {request.method} {request.path[:200]} from {peer}: {reason}")
+
+    def _log_limited(self, line: str) -> None:
+        """Log ``line`` unless ``_LOG_BURST`` lines were logged in this window; count it then, and say how many."""
         now = time.monotonic()
         start, logged, suppressed = self._log_window
         if now - start > _LOG_WINDOW:
             if suppressed:
-                log.warning("%d more requests refused in the last %.0f s", suppressed, _LOG_WINDOW)
+                log.warning("%d more refused or malformed requests and connections in the last %.0f s",
+                            suppressed, _LOG_WINDOW)
             start, logged, suppressed = now, 0, 0
         if logged < _LOG_BURST:
-            peer = request.remote or "?"
-            log.warning("refused %s %s from %s: %s", request.method, request.path[:200], peer, reason)
+            log.warning("%s", line)
             logged += 1
         else:
             suppressed += 1
@@ -404,6 +580,11 @@ class PeerServer:
             refused = self._authenticate(request)
             if refused is not None:
                 return refused
+        elif not getattr(self._gates.get(request.protocol), "authed", True):
+            # an unauthenticated scrape leaves nothing open behind it
+            response = await handler(request)
+            response.force_close()
+            return response
         try:
             if (request.method == "PUT" and request.match_info.route.resource is self._object) \
                     or request.path in self.long_paths:
@@ -696,6 +877,13 @@ class PeerServer:
         ]
         for reason in ("missing", "version", "malformed", "skew", "signature", "replay", "busy"):
             lines.append(f'tierckpt_peer_auth_failures_total{{reason="{reason}"}} {self._auth_failures[reason]}')
+        lines += [
+            "# HELP tierckpt_peer_connections Open connections: authenticated, or pending (no request on them "
+            "authenticated yet).",
+            "# TYPE tierckpt_peer_connections gauge",
+            f'tierckpt_peer_connections{{state="authenticated"}} {sum(self._authed.values())}',
+            f'tierckpt_peer_connections{{state="pending"}} {self._pending_total}',
+        ]
         for name, help_, value in (
             ("tierckpt_peer_bytes_in_total", "Bytes of uploads received and published.", self._bytes_in),
             ("tierckpt_peer_bytes_out_total", "Bytes of response bodies sent.", self._bytes_out),
@@ -704,9 +892,14 @@ class PeerServer:
             ("tierckpt_peer_aborted_uploads_total", "Uploads whose body stalled or ended early.",
              self._aborted_uploads),
             ("tierckpt_peer_errors_total", "Requests that failed inside the server (500/503).", self._errors),
-            ("tierckpt_peer_connections_refused_total", "Connections over max_connections, answered 503 and "
-                                                        "closed (not in tierckpt_peer_requests_total).",
+            ("tierckpt_peer_connections_refused_total", "Requests whose source already held max_connections "
+                                                        "authenticated connections, answered 503 and closed.",
              self._refused_connections),
+            ("tierckpt_peer_connections_evicted_total", "Connections closed before a request on them "
+                                                        "authenticated: past auth_timeout, or over max_pending.",
+             self._evicted),
+            ("tierckpt_peer_bad_requests_total", "Malformed requests (not HTTP, or breaking its limits), "
+                                                 "answered 400 by the HTTP layer.", self._bad_requests),
         ):
             lines += [f"# HELP {name} {help_}", f"# TYPE {name} counter", f"{name} {value}"]
         if self.metrics_cb is not None:

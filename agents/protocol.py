@@ -23,17 +23,24 @@ a restore, and ``lower`` (``job``: the newest step of it that any tier could
 hold, as far as the agent knows, so a restore from memory can skip S3).
 A failed request answers ``{"ok": false, "error": <type>, "message": <one line>}``; the client raises :class:`AgentError`.
 Lines are limited to ``MAX_LINE`` bytes.
+
+Trust: the socket is a file in a folder only the agent's user may enter (never the abstract namespace, which
+has no permissions), and each end checks the other's uid from the socket's credentials (``SO_PEERCRED``):
+the agent answers a connection from another user with one ``PermissionError`` line and closes it, and the
+client refuses an agent that runs as another user (:class:`UntrustedPeerError`). Root is trusted by both.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import socket
+import struct
 import threading
 from typing import Any
 
 __all__ = ["PROTOCOL_VERSION", "MAX_LINE", "AgentError", "AgentUnreachableError", "AgentClient", "RequestError",
-           "UnknownLayoutError"]
+           "UnknownLayoutError", "UntrustedPeerError", "peer_credentials", "trusted_uid"]
 
 PROTOCOL_VERSION = 1
 MAX_LINE = 64 << 20
@@ -59,6 +66,22 @@ class UnknownLayoutError(RequestError):
     """A commit names a layout by digest that this agent does not hold: the trainer sends its entries again."""
 
 
+class UntrustedPeerError(PermissionError):
+    """The other end of the agent's socket runs as another user; nothing was sent to it."""
+
+
+def peer_credentials(sock: socket.socket) -> tuple[int, int, int]:
+    """``(pid, uid, gid)`` of the process at the other end of a connected Unix socket (``SO_PEERCRED``)."""
+    raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    pid, uid, gid = struct.unpack("3i", raw)
+    return pid, uid, gid
+
+
+def trusted_uid(uid: int) -> bool:
+    """True for this process's own user and for root (who can read the memory folder anyway)."""
+    return uid in (os.getuid(), 0)
+
+
 def _connect(path: str, timeout: float | None) -> socket.socket:
     s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     s.settimeout(timeout)
@@ -70,6 +93,16 @@ def _connect(path: str, timeout: float | None) -> socket.socket:
         raise AgentUnreachableError(
             f"no tierckpt agent answers on {shown}: start one with `ckpt agent` or check --shm"
         ) from e
+    try:
+        _pid, uid, _gid = peer_credentials(s)
+    except (OSError, AttributeError) as e:  # AttributeError: a platform without SO_PEERCRED
+        s.close()
+        raise AgentUnreachableError(f"cannot tell who listens on {path} ({e}): the agent needs Linux") from e
+    if not trusted_uid(uid):
+        s.close()
+        raise UntrustedPeerError(
+            f"the process listening on {path} runs as uid {uid}, not as you (uid {os.getuid()}): "
+            "refusing to talk to it; stop it, or use your own --shm / --socket")
     return s
 
 

@@ -620,7 +620,8 @@ def build_parser() -> argparse.ArgumentParser:
     ag.add_argument("--keep-s3", type=int)
     ag.add_argument("--compress", action="store_true", help="LZ4-compress shards on disk")
     ag.add_argument("--peers", help="file listing every node's agent (host:port [domain=LABEL]), or a comma list")
-    ag.add_argument("--secret-file", help="per-job secret that signs peer requests (required off loopback)")
+    ag.add_argument("--secret-file", help="per-job secret that signs peer requests (required with --peers, "
+                                          "loopback included; mode 0600, the same file on every node)")
     ag.add_argument("--replicas", type=int, help="copies of each shard in host memory, own included (default 2)")
     ag.add_argument("--placement", choices=("group", "ring"))
     ag.add_argument("--peer-bandwidth", type=int, help="cap on replication traffic, bytes/s")

@@ -227,7 +227,8 @@ class CostModel:
         folder = os.path.dirname(os.path.abspath(path))
         tmp = os.path.join(folder, f".{os.path.basename(path)}.tmp-{uuid.uuid4().hex[:12]}")
         try:
-            with open(tmp, "wb") as f:
+            # readable by this user alone, like every file in the memory folder
+            with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "wb") as f:
                 f.write(data)
             os.replace(tmp, path)
         except BaseException:

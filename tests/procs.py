@@ -62,8 +62,22 @@ def ckpt_counting_opens(*args: str, timeout: float = 600) -> tuple[subprocess.Co
     return p, opened
 
 
-def start_agent(shm: str, *args: str, log: str | None = None, extra_env: dict | None = None) -> subprocess.Popen:
-    """Start ``ckpt agent --shm SHM ARGS`` and wait until it answers; its output goes to ``proc.log_path``."""
+def write_secret(path: str) -> str:
+    """Write a fresh per-job secret to ``path`` (mode 0600, as agents require); return ``path``."""
+    import secrets
+
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        os.write(fd, secrets.token_hex(32).encode())
+    finally:
+        os.close(fd)
+    return path
+
+
+def start_agent(shm: str, *args: str, log: str | None = None, extra_env: dict | None = None,
+                socket: str | None = None) -> subprocess.Popen:
+    """Start ``ckpt agent --shm SHM ARGS`` and wait until it answers (on ``socket``, when ARGS name one); its
+    output goes to ``proc.log_path``."""
     log = log or os.path.join(os.path.dirname(shm), f"agent-{time.monotonic_ns()}.log")
     logf = open(log, "ab")
     proc = subprocess.Popen([sys.executable, "-m", "ckpt.cli", "agent", "--shm", shm, *args],
@@ -71,7 +85,7 @@ def start_agent(shm: str, *args: str, log: str | None = None, extra_env: dict | 
     proc.log_path = log
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
-        c = AgentClient.try_connect(socket_path_for(shm), timeout=2)
+        c = AgentClient.try_connect(socket or socket_path_for(shm), timeout=2)
         if c is not None:
             c.close()
             return proc

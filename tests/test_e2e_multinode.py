@@ -15,7 +15,7 @@ import sys
 
 import pytest
 
-from procs import TRAINER, env, kill9, losses, read_events, start_agent
+from procs import TRAINER, env, kill9, losses, read_events, start_agent, write_secret
 from s3util import free_port
 
 pytestmark = pytest.mark.e2e
@@ -60,6 +60,7 @@ class TwoNodes:
         self.peers = str(root / "peers.txt")
         with open(self.peers, "w") as f:
             f.write("".join(f"127.0.0.1:{p}\n" for p in self.ports))
+        self.secret = write_secret(str(root / "secret"))
         self.s3 = ["--s3", f"s3://{bucket}/ckpt", "--s3-endpoint", s3_endpoint]
         self.agents: dict[int, subprocess.Popen] = {}
         for n in (0, 1):
@@ -74,8 +75,8 @@ class TwoNodes:
     def start_agent(self, n: int) -> None:
         os.makedirs(os.path.dirname(self.shm(n)), exist_ok=True)
         self.agents[n] = start_agent(self.shm(n), "--node-rank", str(n), "--peers", self.peers,
-                                     "--disk", self.disk(n), "--disk-every", "5", *self.s3, "--s3-every", "10",
-                                     "--heartbeat", "0.2", "--dead-after", "2")
+                                     "--secret-file", self.secret, "--disk", self.disk(n), "--disk-every", "5",
+                                     *self.s3, "--s3-every", "10", "--heartbeat", "0.2", "--dead-after", "2")
 
     def lose_memory(self, n: int) -> None:
         kill9(self.agents.pop(n))

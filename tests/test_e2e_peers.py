@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import ckpt
-from procs import agent_call, ckpt_cmd, kill9, start_agent
+from procs import agent_call, ckpt_cmd, kill9, start_agent, write_secret
 from recovery import fetch_shard, plan_restore, scan_tiers
 from s3util import free_port
 from test_e2e_faults import _stage_raw
@@ -217,7 +217,8 @@ def test_warm_restore_with_every_peer_unreachable_reports_it_and_the_agent_serve
     shm = str(tmp_path / "node0" / "shm")
     os.makedirs(os.path.dirname(shm))
     dead = free_port()
-    agent = start_agent(shm, "--node-rank", "0", "--peers", f"127.0.0.1:{free_port()},127.0.0.1:{dead}", *FAST)
+    agent = start_agent(shm, "--node-rank", "0", "--peers", f"127.0.0.1:{free_port()},127.0.0.1:{dead}",
+                        "--secret-file", write_secret(str(tmp_path / "secret")), *FAST)
     try:
         rep = agent_call(shm, "prefetch", timeout=30)
         assert rep["state"] == "done" and rep["steps"] == {} and rep["shards"] == 0

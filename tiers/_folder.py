@@ -57,7 +57,7 @@ class FolderTier(TierBase):
     def __init__(self, root: str | os.PathLike, *, durable: bool = False) -> None:
         self.root = os.path.abspath(os.fspath(root))
         self.durable = durable
-        os.makedirs(self.root, exist_ok=True)
+        os.makedirs(self.root, mode=0o700, exist_ok=True)  # private to its user, whoever creates it
         self._lock = threading.Lock()
 
     def describe(self) -> str:
