@@ -24,8 +24,8 @@ the server's own routes are in :mod:`agents.peer_server`)::
     POST /v1/fetch    replication: {"key", "size", "from", ["checksum"]}: this node pulls the shard
                       from node ``from`` (GET /v1/o/<key>) into its memory and answers {"checksum",
                       "token"} once it is verified (published at once) or held (no checksum sent:
-                      "token" names the held copy); 400 bad request, 409 node ``from`` holds another
-                      size, 507 no room here, 502 the pull failed (each with its reason in one line)
+                      "token" names the held copy); 400 bad request, 507 no room here, 502 the pull
+                      failed (each with its reason in one line)
     POST /v1/publish  {"token", "checksum", "publish"}: publish the held copy if its checksum
                       matches (else 422), or drop it ({"dropped": true}); 404 for an unknown token
 
@@ -430,8 +430,8 @@ class Replicator:
     async def _http_fetch(self, request):
         """A peer asks this node to pull a shard from it (replication); answers once the copy is verified.
 
-        400 for a malformed request, 409 when the source holds another size of the shard, 507 when this
-        node's memory has no room for it, 502 when the pull itself failed (the answer names the real error)."""
+        400 for a malformed request, 507 when this node's memory has no room for it, 502 when the pull
+        itself failed (the answer names the real error), a source holding another size included."""
         from aiohttp import web
 
         from tiers.errors import TierFullError
@@ -454,16 +454,8 @@ class Replicator:
         if room is not None and size > room:
             return web.Response(status=507, text=_one_line(
                 f"no room for {key} ({size} bytes) in {self.memory.root} on node {self.me}: {room} bytes free"))
-        try:
-            # what the source holds, before any memory is claimed for it: a size that disagrees is refused
-            # here, not after the allocation of whatever the request said
-            held_there = (await self.pulling(self.peer_tiers[src].stat, key)).size
-        except (TierError, OSError) as e:
-            return web.Response(status=502, text=_one_line(
-                f"pull of {key} from node {src} failed: {type(e).__name__}: {e}"))
-        if held_there != size:
-            return web.Response(status=409, text=_one_line(
-                f"node {src} holds {held_there} bytes of {key}, the request says {size}: not pulled"))
+        # no request to the source first: the claimed size is bounded by the room here, and a source holding
+        # another size fails the pull's ranged reads (fewer bytes) or its checksum (more): a 502 either way
         held = await self.budget.acquire(size)
         t0 = time.perf_counter()
         try:
