@@ -185,9 +185,9 @@ def test_replication_bandwidth_cap_holds_over_a_multi_second_transfer(tmp_path):
         c.wait_for(lambda: os.path.exists(os.path.join(c.shm(1), "bw", "step-1", "rank-0.shard")),
                    "the capped replica", timeout=60)
         took = time.monotonic() - t0
-        # the cap must hold (never faster than 10% over it) and be the only thing slowing the copy
+        # the cap must hold end to end (never faster than 10% over it). How close to the cap the bucket paces
+        # is pinned with a fake clock in test_wire (a floor on the rate here failed on a loaded machine)
         assert size / took <= cap * 1.10, f"{size / took / 1e6:.1f} MB/s with a {cap / 1e6:.0f} MB/s cap"
-        assert size / took >= cap * 0.75, f"{size / took / 1e6:.1f} MB/s: far below the cap"
     finally:
         c.close()
 
