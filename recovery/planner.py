@@ -17,11 +17,11 @@ from tiers.errors import ManifestError, TierError
 from tiers.layout import Layout
 from tiers.manifest import Entry, Manifest
 
-from .costs import CostModel
+from .costs import CostModel, source_name
 from .inventory import TierInventory
 
-__all__ = ["JobNotFoundError", "LayoutUnavailableError", "RestorePlan", "StepNotFoundError", "complete_steps",
-           "load_layouts", "plan_restore"]
+__all__ = ["JobNotFoundError", "LayoutUnavailableError", "RestoreError", "RestorePlan", "StepNotFoundError",
+           "committed_steps", "complete_steps", "describe_step", "load_layouts", "plan_restore", "unreachable"]
 
 
 class JobNotFoundError(FileNotFoundError):
@@ -30,6 +30,42 @@ class JobNotFoundError(FileNotFoundError):
 
 class StepNotFoundError(FileNotFoundError):
     """The asked-for step is not complete in any reachable tier."""
+
+
+class RestoreError(StepNotFoundError):
+    """A committed step could not be restored intact from any tier, or a tier that may hold one could not be
+    reached; the message names the step, what each tier answered and what to do."""
+
+
+def unreachable(invs: list[TierInventory]) -> list[str]:
+    """The tiers that could not be listed, each as ``<tier> (<place>): <why>``."""
+    return [f"{inv.name} ({source_name(inv.tier)}): {inv.error}" for inv in invs if inv.error is not None]
+
+
+def committed_steps(invs: list[TierInventory], job: str) -> set[int]:
+    """Steps whose manifest is present in some tier, valid or not: steps that were committed somewhere."""
+    return {s for inv in invs for s, st in inv.job(job).items() if st.has_manifest}
+
+
+def describe_step(invs: list[TierInventory], job: str, step: int) -> str:
+    """What each tier holds of ``step``, for an error message: ``memory: manifest damaged (...); s3: ...``."""
+    out = []
+    for inv in invs:
+        if inv.error is not None:
+            out.append(f"{inv.name}: unreachable ({inv.error})")
+            continue
+        st = inv.job(job).get(step)
+        if st is None:
+            out.append(f"{inv.name}: nothing")
+        elif st.problem and st.manifest is None:
+            out.append(f"{inv.name}: {st.problem}")
+        elif st.manifest is None:
+            out.append(f"{inv.name}: shards without a manifest (not committed there)")
+        else:
+            have = sum(1 for sh in st.manifest.shards if st.shards.get(sh.rank) == sh.size)
+            out.append(f"{inv.name}: manifest and {have} of {st.manifest.world} shards"
+                       + (f" ({st.problem})" if st.problem else ""))
+    return "; ".join(out)
 
 
 @dataclass
