@@ -47,7 +47,8 @@ from agents.tierset import disk_tier, memory_tier, peer_tiers, s3_tier
 from recovery import RestorePlan, ShardReport, node_costs, open_shard, plan_restore, scan_tiers, source_name
 from recovery.fetch import ShardUnavailableError
 from recovery.inventory import TierInventory
-from recovery.planner import RestoreError, StepNotFoundError, committed_steps, describe_step, unreachable
+from recovery.planner import (RestoreError, StepNotFoundError, committed_steps, describe_step, manifest_for,
+                              unreachable)
 from tiers import keys
 from tiers.base import Tier
 from tiers.errors import ManifestError, TierError
@@ -707,6 +708,7 @@ class Checkpointer:
         if step is not None:
             keys.check_step(step)
         failed: dict[int, str] = {}  # step -> why it could not be restored intact
+        skipped: dict[int, set[str]] = {}  # step -> checksums of the manifests it failed with
         while True:
             usable = [s for s in steps if s not in failed]
             if step is None:
@@ -733,10 +735,19 @@ class Checkpointer:
                 if far and self.world == 1 and (failed or committed_steps(invs, self.job) or unreachable(invs)):
                     steps = add_far()  # something was committed near but is not restorable: S3 may hold it
                     continue
+                fresh = self._fresh(invs, failed)
+                if self.world > 1:  # a fresh start only if no rank found a trace: every rank raises otherwise
+                    t = torch.tensor([int(fresh)], dtype=torch.int64)
+                    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+                    if fresh and not t.item():
+                        raise RestoreError(f"job {self.job!r}: another rank found a committed step it could not "
+                                           "restore (its error says which); nothing was started fresh")
                 self._raise_not_restorable(invs, None, failed)
                 return None
+            skip = skipped.setdefault(agreed, set())
+            used = manifest_for(invs, self.job, agreed, skip)
             try:
-                reports = self._restore_step(invs, agreed, state)
+                reports = self._restore_step(invs, agreed, state, skip)
                 why = None
             except (ShardUnavailableError, StepNotFoundError, ManifestError, TierError) as e:
                 why = str(e)
@@ -748,9 +759,17 @@ class Checkpointer:
                     ok, why = False, "another rank could not restore it"
             if ok:
                 break
+            if used is not None:
+                skip.add(used.checksum)
+                if manifest_for(invs, self.job, agreed, skip) is not None:
+                    # another tier holds a different manifest of the step (another save of it): try that one
+                    log.warning("step %d of %s could not be restored with the manifest from the cheapest tier "
+                                "(%s): trying another tier's", agreed, self.job, why)
+                    continue
             if far:
                 log.warning("step %d of %s could not be restored from memory, peers or disk (%s): trying S3",
                             agreed, self.job, why)
+                skip.clear()  # S3 may hold intact shards of the very manifests that failed
                 steps = add_far()
                 continue
             failed[agreed] = why
@@ -771,12 +790,17 @@ class Checkpointer:
                  ", ".join(sorted({r.tier for r in reports})) or "nowhere", self.last_restore.seconds)
         return agreed
 
+    def _fresh(self, invs: list[TierInventory], failed: dict[int, str]) -> bool:
+        """Whether this is a fresh start: every tier listed, and no step committed (a manifest present, valid or
+        not) in any of them. Shards without a manifest anywhere are a save cut short before it committed."""
+        return not failed and not unreachable(invs) and not committed_steps(invs, self.job)
+
     def _raise_not_restorable(self, invs: list[TierInventory], step: int | None, failed: dict[int, str]) -> None:
         """Raise the error that says why nothing (or not ``step``) could be restored; return when this is a
-        fresh start (every tier listed, nothing committed anywhere)."""
+        fresh start (:meth:`_fresh`)."""
         down = unreachable(invs)
         committed = committed_steps(invs, self.job)
-        if step is None and not down and not committed and not failed:
+        if step is None and self._fresh(invs, failed):
             return
         want = step if step is not None else max(committed | set(failed), default=None)
         if want is None:
@@ -793,8 +817,10 @@ class Checkpointer:
             f"{describe_step(invs, self.job, want)}. `ckpt verify {self.job} --step {want}` shows what is "
             "damaged; make an unreachable tier reachable, or pass an older step to restore(step=...)".split()))
 
-    def _restore_step(self, invs: list[TierInventory], agreed: int, state: dict) -> list[ShardReport]:
-        """Plan and load ``agreed`` into ``state``; the state is as it was if this raises."""
+    def _restore_step(self, invs: list[TierInventory], agreed: int, state: dict,
+                      skip: set[str]) -> list[ShardReport]:
+        """Plan (passing over the manifests in ``skip``) and load ``agreed`` into ``state``; the state is as it
+        was if this raises."""
         # saves after this restore retake the step numbers after ``agreed``: the agent drops what the
         # failed run left of them, so they are not refused as already committed
         try:
@@ -802,16 +828,16 @@ class Checkpointer:
         except AgentError as e:
             log.warning("the agent could not drop steps after %d: %s", agreed, e)
         costs, costs_file = node_costs(self.settings.shm, invs)
-        plan = plan_restore(invs, self.job, agreed, [self.rank], costs=costs)
+        plan = plan_restore(invs, self.job, agreed, [self.rank], costs=costs, skip=skip)
         if plan.manifest.world != self.world:
             try:
-                whole = plan_restore(invs, self.job, agreed, costs=costs)
+                whole = plan_restore(invs, self.job, agreed, costs=costs, skip=skip)
             except StepNotFoundError:
                 # resharding reads other ranks' shards: the other nodes' memory holds them before S3 does
                 others = peer_tiers(self.settings, exclude=placement_partners(self.settings))
                 if not others:
                     raise
-                whole = plan_restore(invs + scan_tiers(others, self.job), self.job, agreed, costs=costs)
+                whole = plan_restore(invs + scan_tiers(others, self.job), self.job, agreed, costs=costs, skip=skip)
             with _kept(state):
                 reports = self._load_resharded(whole, state)
         else:

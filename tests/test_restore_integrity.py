@@ -340,6 +340,21 @@ def test_damaged_copy_falls_back_to_the_same_step_in_the_intact_tier_below(tmp_p
         assert not ck.last_restore.passed_over
 
 
+def test_another_valid_manifest_in_the_cheapest_tier_does_not_hide_the_intact_copy_below(tmp_path, s3_bucket):
+    """Memory holds a manifest of step 2 that parses (another save's: other shard checksums); disk and S3 hold
+    the one the shards were saved with. The restore tries the next tier's manifest and restores step 2."""
+    import dataclasses
+
+    with _saved(tmp_path, s3=s3_bucket) as (ck, saved):
+        mem = _tiers(ck)["memory"]
+        m = Manifest.from_bytes(mem.get(keys.manifest_key(JOB, 2)))
+        other = dataclasses.replace(m, shards=(dataclasses.replace(m.shard(0), checksum="xxh3_64:" + "0" * 16),))
+        mem.put(keys.manifest_key(JOB, 2), other.to_bytes())
+        got, snap = _restore(ck)
+        assert got == 2 and _same(snap, saved[2])
+        assert not ck.last_restore.passed_over
+
+
 def test_newest_step_damaged_everywhere_falls_back_to_the_older_one_with_a_warning(tmp_path, s3_bucket, caplog):
     with _saved(tmp_path, s3=s3_bucket) as (ck, saved):
         key = keys.shard_key(JOB, 2, 0)
