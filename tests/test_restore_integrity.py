@@ -195,10 +195,14 @@ def _manifest_mutation(draw, data: bytes):
 
 
 @pytest.fixture(scope="module")
-def one_step(tmp_path_factory):
-    """A Checkpointer holding step 3 in memory and on disk, for the mutation tests (one agent for all)."""
+def one_step(tmp_path_factory, moto_server):
+    """A Checkpointer holding step 3 in memory, on disk and in S3, for the mutation tests (one agent for all)."""
+    import boto3
+
     d = tmp_path_factory.mktemp("mut")
-    with _saved(d, steps=(3,)) as (ck, saved):
+    bucket = f"mut-{random.getrandbits(40):x}"
+    boto3.client("s3", endpoint_url=moto_server, region_name="us-east-1").create_bucket(Bucket=bucket)
+    with _saved(d, steps=(3,), s3=(moto_server, bucket)) as (ck, saved):
         yield ck, saved[3], d
 
 
@@ -248,7 +252,34 @@ def _readers_agree(ck, want: dict, tmp_path, accepted: bool, what: str, listed: 
         _one_line_error(rc, text)
 
 
-@settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck))
+def _every_field_damaged(data: bytes):
+    obj = json.loads(data)
+    for path in _paths(obj):
+        if not path or path == ("checksum",):
+            continue
+        node = obj
+        for p in path:
+            node = node[p]
+        yield path, next(w for w in (None, "x", -1, 1e300, [], {}) if not (type(w) is type(node) and w == node))
+        if isinstance(node, (int, float)) and not isinstance(node, bool):
+            yield path, node + 1
+
+
+def test_every_field_of_a_manifest_changed_is_refused_by_the_parser(one_step):
+    """Each field of a real manifest, changed (its own checksum kept as written): always refused."""
+    ck, _, _ = one_step
+    orig = _tiers(ck)["memory"].get(keys.manifest_key(JOB, 3))
+    n = 0
+    for path, wrong in _every_field_damaged(orig):
+        bad = json.dumps(_set(json.loads(orig), path, wrong), separators=(",", ":")).encode()
+        with pytest.raises(ValueError):
+            Manifest.from_bytes(bad, job=JOB, step=3)
+            pytest.fail(f"{path} = {wrong!r} was accepted")
+        n += 1
+    assert n > 50
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=list(HealthCheck))
 @given(data=st.data())
 def test_mutated_manifest_in_every_tier_gives_exact_data_or_a_clear_error(one_step, data):
     ck, want, tmp = one_step
@@ -270,7 +301,7 @@ def test_mutated_manifest_in_every_tier_gives_exact_data_or_a_clear_error(one_st
         _put_everywhere(ck, key, orig)
 
 
-@settings(max_examples=15, deadline=None, suppress_health_check=list(HealthCheck))
+@settings(max_examples=10, deadline=None, suppress_health_check=list(HealthCheck))
 @given(data=st.data())
 def test_mutated_layout_in_every_tier_gives_exact_data_or_a_clear_error(one_step, data):
     ck, want, tmp = one_step
