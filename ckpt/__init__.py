@@ -8,7 +8,7 @@ where torch is not installed.
 from __future__ import annotations
 
 __all__ = ["Checkpointer", "SaveFuture", "RestoreReport", "CheckpointError", "StateMismatchError", "StateError",
-           "StepNotFoundError", "JobNotFoundError",
+           "StepNotFoundError", "JobNotFoundError", "RestoreError",
            "Settings", "__version__"]
 __version__ = "0.1.0"
 
@@ -20,7 +20,7 @@ def __getattr__(name: str):
         from . import checkpointer
 
         return getattr(checkpointer, name)
-    if name in ("StepNotFoundError", "JobNotFoundError"):
+    if name in ("StepNotFoundError", "JobNotFoundError", "RestoreError"):
         import recovery
 
         return getattr(recovery, name)

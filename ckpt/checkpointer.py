@@ -45,9 +45,13 @@ from agents.replication import placement_partners
 from agents.protocol import AgentClient, AgentError, AgentUnreachableError
 from agents.tierset import disk_tier, memory_tier, peer_tiers, s3_tier
 from recovery import RestorePlan, ShardReport, node_costs, open_shard, plan_restore, scan_tiers, source_name
-from recovery.planner import StepNotFoundError
+from recovery.fetch import ShardUnavailableError
+from recovery.inventory import TierInventory
+from recovery.planner import (RestoreError, StepNotFoundError, committed_steps, describe_step, manifest_for,
+                              unreachable)
 from tiers import keys
 from tiers.base import Tier
+from tiers.errors import ManifestError, TierError
 from tiers.layout import Layout
 from tiers.manifest import JsonEntry, TensorChunk
 
@@ -56,7 +60,7 @@ from ._flatten import Flat, Leaf, flatten_state
 from ._tensors import buffer_allocator, buffer_view as _buffer_view, dtype_name as _dtype_name
 from ._tensors import dtype_of as _dtype
 
-__all__ = ["Checkpointer", "SaveFuture", "RestoreReport", "CheckpointError", "StateMismatchError"]
+__all__ = ["Checkpointer", "SaveFuture", "RestoreReport", "CheckpointError", "RestoreError", "StateMismatchError"]
 
 log = logging.getLogger("tierckpt")
 _ALIGN = 64
@@ -114,6 +118,29 @@ def _direct_reader(tier: Tier, key: str, size: int):
         yield None
         return
     yield lambda batch: ranges(key, batch)
+
+
+@contextlib.contextmanager
+def _kept(state: dict):
+    """Put the state's CPU tensors back as they were if the block raises.
+
+    A restore reads straight into CPU tensors and verifies the bytes as they land, so a damaged copy
+    is found only once it has overwritten them: they are copied first (one copy of them in host memory,
+    for as long as the block runs). Other tensors are written only after their bytes are verified.
+    """
+    saved = []
+    for leaf in flatten_state(state, for_restore=True).leaves:
+        if leaf.tensor is not None:
+            local = _local(leaf.tensor)[0]
+            if local.is_cpu and local.numel():
+                saved.append((local, local.detach().clone()))
+    try:
+        yield
+    except BaseException:
+        with torch.no_grad():
+            for local, old in saved:
+                local.copy_(old)
+        raise
 
 
 def _warn_restart_store(rank: int) -> None:
@@ -183,6 +210,10 @@ class RestoreReport:
     step: int
     shards: list[ShardReport]
     seconds: float
+    #: newer steps committed somewhere that could not be restored, and why (empty when the newest was)
+    passed_over: dict[int, str] = field(default_factory=dict)
+    #: tiers that could not be listed (``<tier> (<place>): <why>``): they may hold a newer step
+    unreachable: list[str] = field(default_factory=list)
 
     @property
     def tiers(self) -> list[str]:
@@ -368,7 +399,8 @@ class Checkpointer:
 
         Returns once the copy into host memory is under way (see the module
         docstring). Raises CheckpointError for an earlier save that failed in
-        the background, StateError for a state it cannot save.
+        the background or one the agent cannot take (its memory full),
+        StateError for a state it cannot save.
         """
         keys.check_step(step)
         if self._closed:
@@ -383,7 +415,11 @@ class Checkpointer:
         layout, values, copies, total = self._layout(flat)
         slot = self._take_prelease(total)
         if slot is None:
-            resp = self._client.call("begin", job=self.job, rank=self.rank, world=self.world, nbytes=total)
+            try:
+                resp = self._client.call("begin", job=self.job, rank=self.rank, world=self.world, nbytes=total)
+            except AgentError as e:  # the agent's memory is full, or it refused the save: the user's error type
+                raise CheckpointError(f"step {step}: the node agent could not take the save ({e.kind}: {e}); "
+                                      "free host memory or lower keep_memory, then save again") from e
             self._collect(resp)
             if resp.get("skip"):
                 log.warning("step %d not checkpointed: %s", step, resp["skip"])
@@ -627,13 +663,29 @@ class Checkpointer:
         return steps[-1] if steps else None
 
     def restore(self, state: dict, step: int | None = None) -> int | None:
-        """Load the newest complete step (or ``step``) into ``state`` in place; return it, or None if none.
+        """Load the newest complete step (or ``step``) into ``state`` in place; return it, or None on a fresh start.
 
         Under torch.distributed every rank restores the same step: the newest
         one all ranks can reach. Each shard comes from the cheapest tier that
-        holds it intact (checksums verified; on a mismatch the next tier is
-        read). Raises StepNotFoundError for a ``step`` that is not complete,
-        StateMismatchError when ``state`` does not match the checkpoint.
+        holds it intact (checksums verified). A damaged copy (shard, layout or
+        manifest) in one tier falls back to every other tier that holds the
+        same step, S3 included, before an older step is tried; restoring an
+        older step while a newer one was committed somewhere is logged as a
+        warning and said in ``last_restore.passed_over``.
+
+        Returns None only when every tier could be listed and none holds a
+        committed step of the job (shards without a manifest anywhere are a
+        save cut short before it committed: nothing to restore). A failed
+        restore leaves ``state`` as it was: the CPU tensors a read fills in
+        place are copied first (host memory for one copy of them, held during
+        the restore) and put back on any failure; other tensors, JSON values
+        and modules are written only once every byte is verified.
+
+        Raises StepNotFoundError for a ``step`` that is not complete,
+        RestoreError (a StepNotFoundError) when a committed step cannot be
+        restored intact from any tier or a tier that may hold one is
+        unreachable, StateMismatchError when ``state`` does not match the
+        checkpoint.
         """
         t0 = time.perf_counter()
         self._await_prefetch()
@@ -653,25 +705,122 @@ class Checkpointer:
         if far and ((step is not None and step not in steps)
                     or self._far_may_be_newer(steps[-1] if steps else -1)):
             steps = add_far()
-        if step is None:
-            mine = steps[-1] if steps else -1
-        else:
+        if step is not None:
             keys.check_step(step)
-            if step not in steps:
-                raise StepNotFoundError(
-                    f"step {step} of job {self.job!r} is not complete in any tier; complete steps: {steps[-10:] or 'none'}")
-            mine = step
-        agreed = mine
-        if self.world > 1:
-            t = torch.tensor([mine], dtype=torch.int64)
-            dist.all_reduce(t, op=dist.ReduceOp.MIN)
-            agreed = int(t.item())
-            if agreed != mine and agreed >= 0 and agreed not in steps and far:
-                steps = add_far()  # another rank can reach only an older step: S3 may hold it for this one
-            if agreed != mine and agreed >= 0 and agreed not in steps:
-                raise StepNotFoundError(f"rank {self.rank} cannot reach step {agreed} that the other ranks agreed on")
-        if agreed < 0:
-            return None
+        failed: dict[int, str] = {}  # step -> why it could not be restored intact
+        skipped: dict[int, set[str]] = {}  # step -> checksums of the manifests it failed with
+        while True:
+            usable = [s for s in steps if s not in failed]
+            if step is None:
+                mine = usable[-1] if usable else -1
+            else:
+                if step not in usable:
+                    if far:
+                        steps = add_far()
+                        continue
+                    self._raise_not_restorable(invs, step, failed)
+                mine = step
+            agreed = mine
+            if self.world > 1:
+                t = torch.tensor([mine], dtype=torch.int64)
+                dist.all_reduce(t, op=dist.ReduceOp.MIN)
+                agreed = int(t.item())
+                if agreed != mine and agreed >= 0 and agreed not in usable and far:
+                    steps = add_far()  # another rank can reach only an older step: S3 may hold it for this one
+                    usable = [s for s in steps if s not in failed]
+                if agreed != mine and agreed >= 0 and agreed not in usable:
+                    raise StepNotFoundError(f"rank {self.rank} cannot reach step {agreed} that the other ranks "
+                                            "agreed on")
+            if agreed < 0:
+                if far and self.world == 1 and (failed or committed_steps(invs, self.job) or unreachable(invs)):
+                    steps = add_far()  # something was committed near but is not restorable: S3 may hold it
+                    continue
+                fresh = self._fresh(invs, failed)
+                if self.world > 1:  # a fresh start only if no rank found a trace: every rank raises otherwise
+                    t = torch.tensor([int(fresh)], dtype=torch.int64)
+                    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+                    if fresh and not t.item():
+                        raise RestoreError(f"job {self.job!r}: another rank found a committed step it could not "
+                                           "restore (its error says which); nothing was started fresh")
+                self._raise_not_restorable(invs, None, failed)
+                return None
+            skip = skipped.setdefault(agreed, set())
+            used = manifest_for(invs, self.job, agreed, skip)
+            try:
+                reports = self._restore_step(invs, agreed, state, skip)
+                why = None
+            except (ShardUnavailableError, StepNotFoundError, ManifestError, TierError) as e:
+                why = str(e)
+            ok = why is None
+            if self.world > 1:
+                t = torch.tensor([int(ok)], dtype=torch.int64)
+                dist.all_reduce(t, op=dist.ReduceOp.MIN)
+                if ok and not t.item():
+                    ok, why = False, "another rank could not restore it"
+            if ok:
+                break
+            if used is not None:
+                skip.add(used.checksum)
+                if manifest_for(invs, self.job, agreed, skip) is not None:
+                    # another tier holds a different manifest of the step (another save of it): try that one
+                    log.warning("step %d of %s could not be restored with the manifest from the cheapest tier "
+                                "(%s): trying another tier's", agreed, self.job, why)
+                    continue
+            if far:
+                log.warning("step %d of %s could not be restored from memory, peers or disk (%s): trying S3",
+                            agreed, self.job, why)
+                skip.clear()  # S3 may hold intact shards of the very manifests that failed
+                steps = add_far()
+                continue
+            failed[agreed] = why
+            log.warning("step %d of %s could not be restored intact from any tier: %s", agreed, self.job, why)
+            if step is not None:
+                self._raise_not_restorable(invs, step, failed)
+        passed_over = {s: failed.get(s) or f"not restorable: {describe_step(invs, self.job, s)}"
+                       for s in sorted(committed_steps(invs, self.job) | set(failed)) if s > agreed}
+        if passed_over and step is None:
+            log.warning("restoring step %d of %s although newer step(s) %s were committed: %s", agreed, self.job,
+                        ", ".join(map(str, passed_over)), "; ".join(f"{s}: {w}" for s, w in passed_over.items()))
+        down = unreachable(invs)
+        if down:
+            log.warning("restored step %d of %s without looking in tier(s) that could not be reached, which may "
+                        "hold a newer step: %s", agreed, self.job, "; ".join(down))
+        self.last_restore = RestoreReport(agreed, reports, time.perf_counter() - t0, passed_over, down)
+        log.info("rank %d restored %s step %d from %s in %.3f s", self.rank, self.job, agreed,
+                 ", ".join(sorted({r.tier for r in reports})) or "nowhere", self.last_restore.seconds)
+        return agreed
+
+    def _fresh(self, invs: list[TierInventory], failed: dict[int, str]) -> bool:
+        """Whether this is a fresh start: every tier listed, and no step committed (a manifest present, valid or
+        not) in any of them. Shards without a manifest anywhere are a save cut short before it committed."""
+        return not failed and not unreachable(invs) and not committed_steps(invs, self.job)
+
+    def _raise_not_restorable(self, invs: list[TierInventory], step: int | None, failed: dict[int, str]) -> None:
+        """Raise the error that says why nothing (or not ``step``) could be restored; return when this is a
+        fresh start (:meth:`_fresh`)."""
+        down = unreachable(invs)
+        committed = committed_steps(invs, self.job)
+        if step is None and self._fresh(invs, failed):
+            return
+        want = step if step is not None else max(committed | set(failed), default=None)
+        if want is None:
+            raise RestoreError(
+                f"job {self.job!r}: no step could be looked for in every tier ({'; '.join(down)}); a step may be "
+                "there: make the tier reachable and restore again (nothing was started fresh)")
+        if step is not None and want not in committed and want not in failed and not down:
+            raise StepNotFoundError(
+                f"step {step} of job {self.job!r} is not complete in any tier "
+                f"({describe_step(invs, self.job, step)}); `ckpt list {self.job}` shows the steps")
+        why = failed.get(want) or "no tier holds it complete and intact"
+        raise RestoreError(" ".join(
+            f"step {want} of job {self.job!r} could not be restored intact ({why}); tried: "
+            f"{describe_step(invs, self.job, want)}. `ckpt verify {self.job} --step {want}` shows what is "
+            "damaged; make an unreachable tier reachable, or pass an older step to restore(step=...)".split()))
+
+    def _restore_step(self, invs: list[TierInventory], agreed: int, state: dict,
+                      skip: set[str]) -> list[ShardReport]:
+        """Plan (passing over the manifests in ``skip``) and load ``agreed`` into ``state``; the state is as it
+        was if this raises."""
         # saves after this restore retake the step numbers after ``agreed``: the agent drops what the
         # failed run left of them, so they are not refused as already committed
         try:
@@ -679,35 +828,23 @@ class Checkpointer:
         except AgentError as e:
             log.warning("the agent could not drop steps after %d: %s", agreed, e)
         costs, costs_file = node_costs(self.settings.shm, invs)
-        plan = plan_restore(invs, self.job, agreed, [self.rank], costs=costs)
+        plan = plan_restore(invs, self.job, agreed, [self.rank], costs=costs, skip=skip)
         if plan.manifest.world != self.world:
             try:
-                whole = plan_restore(invs, self.job, agreed, costs=costs)
+                whole = plan_restore(invs, self.job, agreed, costs=costs, skip=skip)
             except StepNotFoundError:
                 # resharding reads other ranks' shards: the other nodes' memory holds them before S3 does
                 others = peer_tiers(self.settings, exclude=placement_partners(self.settings))
-                if others:
-                    invs = invs + scan_tiers(others, self.job)
-                    try:
-                        whole = plan_restore(invs, self.job, agreed, costs=costs)
-                    except StepNotFoundError:
-                        whole = None
-                else:
-                    whole = None
-            if whole is None:
-                if not far:
-                    raise StepNotFoundError(f"step {agreed} of {self.job!r}: the shards a resharding restore "
-                                            "needs are not all reachable")
-                add_far()  # resharding reads other ranks' shards too: some may be left only in S3
-                whole = plan_restore(invs, self.job, agreed, costs=costs)
-            reports = self._load_resharded(whole, state)
+                if not others:
+                    raise
+                whole = plan_restore(invs + scan_tiers(others, self.job), self.job, agreed, costs=costs, skip=skip)
+            with _kept(state):
+                reports = self._load_resharded(whole, state)
         else:
-            reports = [self._load(plan, state)]
+            with _kept(state):
+                reports = [self._load(plan, state)]
         self._learn(costs, costs_file, reports)
-        self.last_restore = RestoreReport(agreed, reports, time.perf_counter() - t0)
-        log.info("rank %d restored %s step %d from %s in %.3f s", self.rank, self.job, agreed,
-                 ", ".join(sorted({r.tier for r in reports})) or "nowhere", self.last_restore.seconds)
-        return agreed
+        return reports
 
     @staticmethod
     def _learn(costs: Any, path: str | None, reports: list[ShardReport]) -> None:
@@ -777,6 +914,7 @@ class Checkpointer:
         info = plan.manifest.shard(self.rank)
         key = keys.shard_key(plan.job, plan.step, self.rank)
         rest = list(plan.sources.get(self.rank, []))
+        failures: list[str] = []
         # sources that can read byte ranges straight into the tensors go first, as the plan orders them;
         # the first one that cannot ends the direct attempts, and the rest go through a buffer
         while rest and info.size:
@@ -784,26 +922,36 @@ class Checkpointer:
                 if read_batch is None:
                     break
                 report = self._load_direct(plan, state, info, rest[0], read_batch)
-            if report is not None:
+            if isinstance(report, ShardReport):
+                report.failures = failures + report.failures
                 return report
+            failures.append(f"{source_name(rest[0])}: {report}")
             rest = rest[1:]  # damaged or unreachable there: the next place, in order
         plan = dataclasses.replace(plan, sources={**plan.sources, self.rank: rest})
         keep: list[torch.Tensor] = []
-        shard = open_shard(plan, self.rank, buffer_allocator(keep), verify=self.verify)
+        try:
+            shard = open_shard(plan, self.rank, buffer_allocator(keep), verify=self.verify)
+        except ShardUnavailableError as e:
+            if not failures:
+                raise
+            raise ShardUnavailableError(
+                f"shard {self.rank} of {plan.job!r} step {plan.step} could not be read intact from any tier "
+                f"({'; '.join(failures)}{'; ' + str(e) if rest else ''})") from e
+        shard.report.failures = failures + shard.report.failures
         try:
             return self._apply(plan, state, info, shard)
         finally:
             shard.close()
 
     def _load_direct(self, plan: RestorePlan, state: dict, info: Any, tier: Tier,
-                     read_batch: Callable[[list[tuple[int, memoryview]]], None]) -> ShardReport | None:
+                     read_batch: Callable[[list[tuple[int, memoryview]]], None]) -> ShardReport | str:
         """Read the shard's bytes straight into the state's tensors and hash what was read.
 
         ``read_batch`` fills a batch of contiguous ``(shard offset, view)`` pieces, in order: ``preadv``
         from a local file (memory, uncompressed disk), or one ranged request to a peer. One copy per
         byte, no intermediate buffer, no mapping (on tmpfs, faulting a mapping's page tables in costs more
-        than the copy). Returns None, with the tensors possibly half-written, when a read fails or the
-        checksum does not match.
+        than the copy). Returns why, with the tensors possibly half-written (the caller keeps their
+        previous values: see :func:`_kept`), when a read fails or the checksum does not match.
         """
         t0 = time.perf_counter()
         by_name, flat = self._target(plan, state, info)
@@ -814,6 +962,8 @@ class Checkpointer:
                 self._check_leaf(leaf, entry)
                 if entry.nbytes:
                     targets[entry.offset] = (leaf, entry)
+            elif not isinstance(entry, JsonEntry):
+                raise StateMismatchError(f"{leaf.name} is a value in the state but a tensor in the checkpoint")
         from tiers.checksum import Hasher
 
         hasher = Hasher()
@@ -854,7 +1004,7 @@ class Checkpointer:
         except OSError as e:
             log.warning("restore of rank %d from %s failed, trying the next place: %s", self.rank,
                         source_name(tier), e)
-            return None
+            return f"read failed: {e}"
         finally:
             for f in futs:
                 f.cancel()
@@ -866,7 +1016,7 @@ class Checkpointer:
             if got != info.checksum:
                 log.warning("rank %d shard in %s has checksum %s, manifest says %s: trying the next place",
                             self.rank, source_name(tier), got, info.checksum)
-                return None
+                return f"checksum {got}, the manifest says {info.checksum}"
         # tensors not read in place (other devices, strided ones) get their verified bytes now, per device type
         by_device: dict[str, list] = {}
         for _, _, staged in pieces:
@@ -913,6 +1063,11 @@ class Checkpointer:
             warnings.simplefilter("ignore")  # a copy-on-write mapping is writable; torch cannot tell
             buf = torch.frombuffer(shard.view, dtype=torch.uint8) if info.size else torch.empty(0, dtype=torch.uint8)
         by_name, flat = self._target(plan, state, info)
+        for leaf in flat.leaves:  # every mismatch is found before anything is written
+            if leaf.tensor is not None:
+                self._check_leaf(leaf, by_name[leaf.name])
+            elif not isinstance(by_name[leaf.name], JsonEntry):
+                raise StateMismatchError(f"{leaf.name} is a value in the state but a tensor in the checkpoint")
         with torch.no_grad():
             for leaf in flat.leaves:
                 self._fill(leaf, by_name[leaf.name], buf)

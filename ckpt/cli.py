@@ -13,6 +13,7 @@ import argparse
 import contextlib
 import json
 import logging
+import math
 import mmap
 import os
 import sys
@@ -39,7 +40,8 @@ from tiers.base import Tier
 from tiers.checksum import checksum_bytes
 from tiers.disk import DiskTier
 from tiers.errors import InvalidNameError, KeyNotFoundError, ManifestError, TierError
-from tiers.manifest import JsonEntry, TensorChunk
+from tiers.layout import Layout
+from tiers.manifest import DTYPE_SIZES, JsonEntry, TensorChunk
 from tiers.memory import MemoryTier
 
 __all__ = ["main"]
@@ -320,6 +322,33 @@ def cmd_show(a: argparse.Namespace) -> int:
     return 0
 
 
+def _layout_problems(inv: TierInventory, job: str, m: Any, ranks: set[int],
+                     seen: dict[tuple[str, str], Layout | str]) -> list[tuple[int, str]]:
+    """``(rank, what is wrong)`` for each of ``ranks`` whose layout (named by ``m``) is missing, damaged or
+    past its shard in ``inv``'s tier; each layout object is read once per tier (``seen`` keeps the answers)."""
+    out = []
+    for sh in m.shards:
+        if sh.rank not in ranks or not sh.layout:
+            continue
+        key = (inv.name, sh.layout)
+        if key not in seen:
+            try:
+                seen[key] = Layout.from_bytes(inv.tier.get(keys.layout_key(job, sh.layout)), sh.layout)
+            except KeyNotFoundError:
+                seen[key] = f"layout {sh.layout} missing"
+            except (ManifestError, TierError, OSError) as e:
+                seen[key] = f"layout {sh.layout} DAMAGED: {e}"
+        got = seen[key]
+        if isinstance(got, str):
+            out.append((sh.rank, got))
+            continue
+        try:
+            got.check_fits(sh.size, f"rank {sh.rank}")
+        except ManifestError as e:
+            out.append((sh.rank, f"layout {sh.layout}: {e}"))
+    return out
+
+
 def cmd_verify(a: argparse.Namespace) -> int:
     job = keys.check_job(a.job)
     s = _settings(a)
@@ -329,6 +358,7 @@ def cmd_verify(a: argparse.Namespace) -> int:
         raise StepNotFoundError(f"step {a.step} of job {job!r} is in no tier; `ckpt list {job}` shows the steps")
     rows = [["step", "tier", "rank", "result"]]
     bad = 0
+    layouts_seen: dict[tuple[str, str], Layout | str] = {}
     for step in steps:
         for inv in invs:
             st = inv.job(job).get(step)
@@ -339,6 +369,9 @@ def cmd_verify(a: argparse.Namespace) -> int:
                 bad += bool(st.problem)
                 continue
             expected = set(st.expected_ranks(inv.shared, _node_of(a, inv)))
+            for rank, problem in _layout_problems(inv, job, st.manifest, expected, layouts_seen):
+                rows.append([str(step), inv.name, str(rank), problem])
+                bad += 1
             elsewhere = [sh for sh in st.manifest.shards if sh.rank not in expected]
             if elsewhere:
                 nodes = ", ".join(str(n) for n in sorted({sh.node for sh in elsewhere}))
@@ -561,7 +594,13 @@ def cmd_restore(a: argparse.Namespace) -> int:
                     continue
                 full = out.get(e.name)
                 if full is None:
-                    full = out[e.name] = torch.empty(e.global_shape, dtype=_dtype(e.dtype))
+                    try:
+                        full = out[e.name] = torch.empty(e.global_shape, dtype=_dtype(e.dtype))
+                    except (RuntimeError, MemoryError) as err:  # the whole tensor is assembled in host memory
+                        need = math.prod(e.global_shape) * DTYPE_SIZES[e.dtype]
+                        raise CliError(f"{e.name} ({e.dtype} {list(e.global_shape)}) needs {_fmt_bytes(need)} of "
+                                       f"host memory, which this machine cannot give ({str(err).splitlines()[0]}): "
+                                       "restore on a machine with more memory") from None
                 src = buf[e.offset: e.offset + e.nbytes].view(_dtype(e.dtype)).view(e.shape)
                 idx = tuple(slice(o, o + n) for o, n in zip(e.offsets, e.shape))
                 full[idx].copy_(src)

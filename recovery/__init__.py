@@ -12,6 +12,7 @@ from .fetch import (
 from .inventory import StepInTier, TierInventory, read_manifest, scan_tier, scan_tiers
 from .planner import (
     JobNotFoundError,
+    RestoreError,
     RestorePlan,
     StepNotFoundError,
     complete_steps,
@@ -22,6 +23,7 @@ __all__ = [
     "CostModel",
     "JobNotFoundError",
     "OpenShard",
+    "RestoreError",
     "RestorePlan",
     "ShardReport",
     "ShardUnavailableError",

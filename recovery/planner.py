@@ -17,11 +17,12 @@ from tiers.errors import ManifestError, TierError
 from tiers.layout import Layout
 from tiers.manifest import Entry, Manifest
 
-from .costs import CostModel
+from .costs import CostModel, source_name
 from .inventory import TierInventory
 
-__all__ = ["JobNotFoundError", "LayoutUnavailableError", "RestorePlan", "StepNotFoundError", "complete_steps",
-           "load_layouts", "plan_restore"]
+__all__ = ["JobNotFoundError", "LayoutUnavailableError", "RestoreError", "RestorePlan", "StepNotFoundError",
+           "committed_steps", "complete_steps", "describe_step", "load_layouts", "manifest_for", "plan_restore",
+           "unreachable"]
 
 
 class JobNotFoundError(FileNotFoundError):
@@ -30,6 +31,42 @@ class JobNotFoundError(FileNotFoundError):
 
 class StepNotFoundError(FileNotFoundError):
     """The asked-for step is not complete in any reachable tier."""
+
+
+class RestoreError(StepNotFoundError):
+    """A committed step could not be restored intact from any tier, or a tier that may hold one could not be
+    reached; the message names the step, what each tier answered and what to do."""
+
+
+def unreachable(invs: list[TierInventory]) -> list[str]:
+    """The tiers that could not be listed, each as ``<tier> (<place>): <why>``."""
+    return [f"{inv.name} ({source_name(inv.tier)}): {inv.error}" for inv in invs if inv.error is not None]
+
+
+def committed_steps(invs: list[TierInventory], job: str) -> set[int]:
+    """Steps whose manifest is present in some tier, valid or not: steps that were committed somewhere."""
+    return {s for inv in invs for s, st in inv.job(job).items() if st.has_manifest}
+
+
+def describe_step(invs: list[TierInventory], job: str, step: int) -> str:
+    """What each tier holds of ``step``, for an error message: ``memory: manifest damaged (...); s3: ...``."""
+    out = []
+    for inv in invs:
+        if inv.error is not None:
+            out.append(f"{inv.name}: unreachable ({inv.error})")
+            continue
+        st = inv.job(job).get(step)
+        if st is None:
+            out.append(f"{inv.name}: nothing")
+        elif st.problem and st.manifest is None:
+            out.append(f"{inv.name}: {st.problem}")
+        elif st.manifest is None:
+            out.append(f"{inv.name}: shards without a manifest (not committed there)")
+        else:
+            have = sum(1 for sh in st.manifest.shards if st.shards.get(sh.rank) == sh.size)
+            out.append(f"{inv.name}: manifest and {have} of {st.manifest.world} shards"
+                       + (f" ({st.problem})" if st.problem else ""))
+    return "; ".join(out)
 
 
 @dataclass
@@ -57,14 +94,24 @@ class RestorePlan:
         return self.layouts[sh.layout].chunks + sh.entries
 
 
-def _candidates(invs: list[TierInventory], job: str) -> dict[int, tuple[Manifest, Tier]]:
-    """step → (a valid manifest, the cheapest tier it came from)."""
+def _candidates(invs: list[TierInventory], job: str, skip: set[str] | frozenset[str] = frozenset()
+                ) -> dict[int, tuple[Manifest, Tier]]:
+    """step → (a valid manifest, the cheapest tier it came from); manifests whose checksum is in ``skip`` are
+    passed over (a copy that failed: another tier's may differ)."""
     out: dict[int, tuple[Manifest, Tier]] = {}
     for inv in invs:
         for step, st in inv.job(job).items():
-            if st.manifest is not None and step not in out:
+            if st.manifest is not None and step not in out and st.manifest.checksum not in skip:
                 out[step] = (st.manifest, inv.tier)
     return out
+
+
+def manifest_for(invs: list[TierInventory], job: str, step: int,
+                 skip: set[str] | frozenset[str] = frozenset()) -> Manifest | None:
+    """The manifest :func:`plan_restore` plans ``step`` by given ``skip``: the cheapest tier's valid one whose
+    checksum is not in ``skip``; None when there is none."""
+    got = _candidates(invs, job, skip).get(step)
+    return None if got is None else got[0]
 
 
 def _sources(invs: list[TierInventory], job: str, step: int, m: Manifest,
@@ -130,14 +177,16 @@ class LayoutUnavailableError(StepNotFoundError):
 
 
 def plan_restore(invs: list[TierInventory], job: str, step: int | None = None,
-                 ranks: list[int] | None = None, costs: CostModel | None = None) -> RestorePlan:
+                 ranks: list[int] | None = None, costs: CostModel | None = None,
+                 skip: set[str] | frozenset[str] = frozenset()) -> RestorePlan:
     """Plan the restore of ``step`` (the newest complete one if None) for ``ranks`` (all if None).
 
     A rank of a job restarted with the same world size reads only its own
     shard, so it passes ``ranks=[rank]`` and needs only that shard reachable.
     With ``costs`` each shard's sources are ordered by ``costs.order`` for the
     shard's size and ``RestorePlan.estimates`` is filled; without, they keep
-    the order of ``invs``.
+    the order of ``invs``. Manifests whose checksum is in ``skip`` (copies a restore already failed with)
+    are passed over for another tier's different manifest of the same step.
 
     Raises JobNotFoundError when no tier knows the job, StepNotFoundError when
     the step is not complete anywhere (the message lists the steps that are).
@@ -146,7 +195,7 @@ def plan_restore(invs: list[TierInventory], job: str, step: int | None = None,
         failed = [f"{inv.name}: {inv.error}" for inv in invs if inv.error]
         hint = f" (unreachable: {'; '.join(failed)})" if failed else ""
         raise JobNotFoundError(f"no checkpoint of job {job!r} in any tier{hint}: check the job name and --shm/--disk/--s3")
-    cands = _candidates(invs, job)
+    cands = _candidates(invs, job, skip)
     steps = sorted(cands, reverse=True) if step is None else [step]
     for s in steps:
         if s not in cands:

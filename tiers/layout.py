@@ -149,7 +149,7 @@ def _read_columns(data: bytes | memoryview, filters) -> dict[str, list]:
     except ManifestError:
         raise
     except (pa.ArrowException, ValueError, TypeError, OSError) as e:
-        raise ManifestError(f"malformed layout: not a readable Parquet chunk table ({e})") from e
+        raise ManifestError(f"malformed layout: not a readable Parquet chunk table ({' '.join(str(e).split())})") from e
 
 
 def chunk_table_bytes(layouts: dict[int, Layout]) -> bytes:

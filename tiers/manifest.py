@@ -9,7 +9,16 @@ stored once under ``<job>/layouts/<digest>.layout``: see :mod:`tiers.layout`)
 by digest and carries the rank's small JSON values inline, and the manifest
 carries a checksum of its own canonical bytes (``checksum``, last field), so a
 byte edited anywhere in it is refused, even one that keeps it parseable.
-Version 1 (still read) held every entry inline and no checksum of its own.
+Version 1 (still read) holds every entry inline; one written before manifests
+were sealed has no checksum of its own, and is then held to the version-1
+fields. A checksum, where present, is verified whatever version the bytes
+claim, so a sealed manifest edited to say version 1 is refused too.
+
+Besides the checksum, parsing refuses what no writer produces: chunks outside
+their tensor or their shard, overlapping or misaligned byte ranges (an offset
+that is not a multiple of the element size), sizes that disagree with shapes
+and dtypes, and values no real checkpoint has (a tensor or shard over
+:data:`MAX_BYTES`, non-finite times, malformed checksums).
 
 The entries a rank saved:
 
@@ -60,6 +69,17 @@ __all__ = [
 MANIFEST_FORMAT = "tierckpt-manifest"
 MANIFEST_VERSION = 2
 MAX_MANIFEST_BYTES = 256 * 1024 * 1024
+#: bounds past which a value is not a real checkpoint's but damage: bytes of one tensor or shard (1 PiB),
+#: dimensions of a tensor, ranks of a job, nodes of a job
+MAX_BYTES = 1 << 50
+MAX_NDIM = 64
+MAX_WORLD = 1 << 24
+MAX_NODES = 1 << 24
+#: a shard checksum as :mod:`tiers.checksum` spells it
+_CHECKSUM_RE = re.compile(r"xxh3_64:[0-9a-f]{16}\Z")
+#: the top-level fields of a version-1 manifest (it carries no checksum of its own, so nothing else is taken)
+_V1_FIELDS = frozenset({"format", "version", "library", "job", "step", "world", "created", "metadata", "shards",
+                        "checksum"})
 
 #: bytes per element of every dtype a shard may hold
 DTYPE_SIZES: dict[str, int] = {
@@ -123,15 +143,31 @@ class TensorChunk:
         return chunk
 
     def check(self, where: str) -> None:
+        """Raise ManifestError unless the chunk is possible: a known dtype, shapes of one rank that fit in
+        each other, a byte range of the size shape and dtype give, aligned to the element size, and no
+        value past what a real tensor could have (:data:`MAX_BYTES`, :data:`MAX_NDIM`)."""
+        if not self.name:
+            raise ManifestError(f"malformed manifest: {where} has an empty name")
         if self.dtype not in DTYPE_SIZES:
             raise ManifestError(f"malformed manifest: {where} has unknown dtype {self.dtype!r}")
         if not (len(self.global_shape) == len(self.offsets) == len(self.shape)):
             raise ManifestError(f"malformed manifest: {where} shape, offsets and global_shape differ in rank")
+        if len(self.global_shape) > MAX_NDIM:
+            raise ManifestError(f"malformed manifest: {where} has {len(self.global_shape)} dimensions "
+                                f"(at most {MAX_NDIM})")
+        item = DTYPE_SIZES[self.dtype]
+        if math.prod(self.global_shape) * item > MAX_BYTES or any(g > MAX_BYTES for g in self.global_shape):
+            raise ManifestError(f"malformed manifest: {where} names a tensor of {list(self.global_shape)} "
+                                f"{self.dtype}, over {MAX_BYTES} bytes: damaged")
         for o, s, g in zip(self.offsets, self.shape, self.global_shape):
             if o + s > g:
                 raise ManifestError(f"malformed manifest: {where} chunk lies outside its tensor")
-        if self.offset < 0 or self.nbytes != math.prod(self.shape) * DTYPE_SIZES[self.dtype]:
+        if isinstance(self.offset, bool) or isinstance(self.nbytes, bool) or self.offset < 0 \
+                or self.offset > MAX_BYTES or self.nbytes != math.prod(self.shape) * item:
             raise ManifestError(f"malformed manifest: {where} byte range does not match shape and dtype")
+        if self.nbytes and self.offset % item:
+            raise ManifestError(f"malformed manifest: {where} byte offset {self.offset} is not a multiple of the "
+                                f"{item}-byte {self.dtype} element: damaged")
 
 
 @dataclass(frozen=True)
@@ -258,12 +294,11 @@ class Manifest:
         }
 
     def to_bytes(self) -> bytes:
-        """Serialise to UTF-8 JSON; version 2 (every shard names a layout) ends with its own checksum."""
-        obj = self.to_json()
-        body = _sealed.dumps(obj)
+        """Serialise to UTF-8 JSON ending with its own checksum (version 1, entries inline, too)."""
+        body = _sealed.dumps(self.to_json())
         sealed, checksum = _sealed.seal(body)
         object.__setattr__(self, "checksum", checksum)
-        return body if obj["version"] < 2 else sealed
+        return sealed
 
     @classmethod
     def from_bytes(cls, data: bytes | memoryview, *, job: str | None = None, step: int | None = None) -> "Manifest":
@@ -274,14 +309,22 @@ class Manifest:
         """
         obj = _sealed.loads(data, MAX_MANIFEST_BYTES, ManifestError, "malformed manifest")
         claimed = None
-        if isinstance(obj, dict) and isinstance(obj.get("version"), int) and 2 <= obj["version"] <= MANIFEST_VERSION \
-                and obj.get("format") == MANIFEST_FORMAT:
+        # A checksum is verified wherever one is present, whatever version the bytes claim: a sealed manifest
+        # edited to say version 1 is refused as any other edit is. Only a version-1 manifest written before
+        # manifests were sealed goes without one (and is held to the version-1 fields, nothing else).
+        version = obj.get("version") if isinstance(obj, dict) else None
+        newer = type(version) is int and version > MANIFEST_VERSION  # from_json says to upgrade
+        if isinstance(obj, dict) and obj.get("format") == MANIFEST_FORMAT \
+                and ("checksum" in obj or (version != 1 and not newer)):
             claimed = obj.pop("checksum", None)
             if not isinstance(claimed, str):
-                raise ManifestError("malformed manifest: version 2 without its own checksum")
+                raise ManifestError("malformed manifest: no checksum of its own (damaged, or not a manifest "
+                                    "this library wrote); read the step from another tier")
             if not _sealed.verify(data, obj, claimed, ManifestError, "malformed manifest"):
                 raise ManifestError("manifest checksum mismatch: its bytes were changed after it was written "
                                     "(damaged or edited); read the step from another tier")
+        elif isinstance(obj, dict) and version == 1 and not set(obj) <= _V1_FIELDS:
+            raise ManifestError(f"malformed manifest: unknown field(s) {sorted(set(obj) - _V1_FIELDS)[:3]}")
         m = cls.from_json(obj, job=job, step=step)
         object.__setattr__(m, "checksum", claimed or _sealed.checksum_of(bytes(data)))
         return m
@@ -309,7 +352,7 @@ class Manifest:
             raise ManifestError(f"manifest names step {m_step} but was stored under step {step}")
         world = _need(obj, "world", int, "manifest")
         shards_obj = _need(obj, "shards", list, "manifest")
-        if world < 1 or len(shards_obj) != world:
+        if not 1 <= world <= MAX_WORLD or len(shards_obj) != world:
             raise ManifestError(f"malformed manifest: world {world} but {len(shards_obj)} shards listed")
         shards = []
         for r, s in enumerate(shards_obj):
@@ -322,8 +365,10 @@ class Manifest:
             rank = _need(s, "rank", int, where)
             size = _need(s, "size", int, where)
             checksum = _need(s, "checksum", str, where)
-            if rank != r or size < 0:
+            if rank != r or not 0 <= size <= MAX_BYTES:
                 raise ManifestError(f"malformed manifest: {where} has rank {rank} / size {size}")
+            if not _CHECKSUM_RE.match(checksum):
+                raise ManifestError(f"malformed manifest: {where}.checksum {checksum[:40]!r} is not xxh3_64:<16 hex>")
             if version == 1:
                 entries = validate_layout(_need(s, "entries", list, where), size, f"{where}.entries")
                 layout = ""
@@ -335,7 +380,7 @@ class Manifest:
                     raise ManifestError(f"malformed manifest: {where}: {e}") from e
                 entries = _values(s.get("values", []), where)
             node = s.get("node", 0)
-            if isinstance(node, bool) or not isinstance(node, int) or node < 0:
+            if isinstance(node, bool) or not isinstance(node, int) or not 0 <= node < MAX_NODES:
                 raise ManifestError(f"malformed manifest: {where}.node must be an int >= 0")
             shards.append(ShardInfo(rank, size, checksum, tuple(entries), node, layout))
         metadata = obj.get("metadata", {})
@@ -412,8 +457,9 @@ def _v2_row(s: Any, r: int) -> ShardInfo | None:
         return None
     rank, size, checksum, layout = s.get("rank"), s.get("size"), s.get("checksum"), s.get("layout")
     node = s.get("node", 0)
-    if not (type(rank) is int and rank == r and type(size) is int and size >= 0 and type(checksum) is str
-            and type(layout) is str and DIGEST_RE.match(layout) and type(node) is int and node >= 0):
+    if not (type(rank) is int and rank == r and type(size) is int and 0 <= size <= MAX_BYTES
+            and type(checksum) is str and _CHECKSUM_RE.match(checksum)
+            and type(layout) is str and DIGEST_RE.match(layout) and type(node) is int and 0 <= node < MAX_NODES):
         return None
     rows = s.get("values", ())
     if type(rows) is not list and rows != ():
