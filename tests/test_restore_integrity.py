@@ -444,6 +444,21 @@ def test_failed_restore_leaves_the_tensors_untouched(tmp_path):
         assert _same(_snapshot(state), before)
 
 
+def test_keep_state_false_skips_the_copy_and_still_fails_clearly(tmp_path):
+    """Without the copy a failed restore may leave the tensors partly overwritten (the caller said it would
+    re-initialise them); the failure is still a RestoreError naming the step, never None or wrong data kept."""
+    with _saved(tmp_path, steps=(1,)) as (ck, _):
+        key = keys.shard_key(JOB, 1, 0)
+        for tier in _tiers(ck).values():
+            data = tier.get(key)
+            tier.put(key, _flip(data, len(data) - 1))
+        state = _state(7)
+        before = _snapshot(state)
+        with pytest.raises(RestoreError, match="step 1"):
+            ck.restore(state, keep_state=False)
+        assert not _same(_snapshot(state), before)  # the copy really was skipped: the reads landed in place
+
+
 # ---------------------------------------------------------------- misaligned offsets, absurd shapes
 
 def _rewrite_layout(ck, step: int, change) -> None:
