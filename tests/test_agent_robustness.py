@@ -328,21 +328,36 @@ def test_an_unexpected_failure_inside_a_command_is_one_line_not_a_traceback(tmp_
     assert "something unforeseen" in p.stderr and "RuntimeError" in p.stderr
 
 
+def _assert_new_run_committed(c) -> None:
+    """Each node's memory holds a manifest of step 2 naming the shard it holds now (the new run's)."""
+    from tiers.checksum import checksum_file
+
+    for i in range(2):
+        shard = os.path.join(c.shm(i), "rw", "step-2", f"rank-{i}.shard")
+        c.wait_for(lambda i=i: c.holds(i, "rw", 2, rank=i), f"step 2 committed on node {i}")
+        m = scan_tier(MemoryTier(c.shm(i)), "rw").job("rw")[2].manifest
+        assert m is not None and m.shard(i).checksum == checksum_file(shard, MiB), \
+            f"node {i} committed a manifest of the rewound run"
+
+
+def _commit_steps_1_and_2(clients: list) -> None:
+    """Both nodes' ranks (rank i on node i, world 2) save steps 1 and 2 of job rw; each is committed on both."""
+    for step in (1, 2):
+        for i in range(2):
+            _stage(clients[i], "rw", step, MiB, rank=i, world=2)
+        for i in range(2):
+            assert clients[i].call("wait", job="rw", step=step, timeout=60)["done"]
+
+
 def test_a_step_saved_again_after_a_rewind_commits_the_new_run_manifest_on_every_node(tmp_path):
     """Two nodes, one rank each. Step 2 is committed, both nodes rewind to step 1 (a restore), and the new
     run saves step 2 again with other bytes: every node commits a manifest naming the new bytes. The commit
     tree must not answer the new rows with the manifest of the run that was rewound."""
-    from tiers.checksum import checksum_file
-
     c = Cluster(tmp_path, 2)
     try:
         clients = [AgentClient(socket_path_for(c.shm(i)), timeout=120) for i in range(2)]
         try:
-            for step in (1, 2):
-                for i in range(2):
-                    _stage(clients[i], "rw", step, MiB, rank=i, world=2)
-                for i in range(2):
-                    assert clients[i].call("wait", job="rw", step=step, timeout=60)["done"]
+            _commit_steps_1_and_2(clients)
             for i in range(2):
                 assert clients[i].call("rewind", job="rw", step=1)["dropped"] == [2]
             for i in range(2):
@@ -353,12 +368,7 @@ def test_a_step_saved_again_after_a_rewind_commits_the_new_run_manifest_on_every
         finally:
             for cl in clients:
                 cl.close()
-        for i in range(2):
-            shard = os.path.join(c.shm(i), "rw", "step-2", f"rank-{i}.shard")
-            c.wait_for(lambda i=i: c.holds(i, "rw", 2, rank=i), f"step 2 committed on node {i}")
-            m = scan_tier(MemoryTier(c.shm(i)), "rw").job("rw")[2].manifest
-            assert m is not None and m.shard(i).checksum == checksum_file(shard, MiB), \
-                f"node {i} committed a manifest of the rewound run"
+        _assert_new_run_committed(c)
     finally:
         c.close()
 
@@ -367,17 +377,11 @@ def test_a_node_that_rewinds_first_refuses_the_manifest_of_the_rewound_run_from_
     """Node 1 restores and saves step 2 again before the commit tree's root (node 0) has rewound: the root
     still holds the old step 2 and answers node 1's new row with its manifest. Node 1 must not commit it
     over its new shard; once node 0 rewinds and saves too, both commit the new run's step 2."""
-    from tiers.checksum import checksum_file
-
     c = Cluster(tmp_path, 2)
     try:
         clients = [AgentClient(socket_path_for(c.shm(i)), timeout=120) for i in range(2)]
         try:
-            for step in (1, 2):
-                for i in range(2):
-                    _stage(clients[i], "rw", step, MiB, rank=i, world=2)
-                for i in range(2):
-                    assert clients[i].call("wait", job="rw", step=step, timeout=60)["done"]
+            _commit_steps_1_and_2(clients)
             assert clients[1].call("rewind", job="rw", step=1)["dropped"] == [2]
             caught_up = clients[1].call("status")["tree"]["stats"]["catch_ups"]
             _stage(clients[1], "rw", 2, MiB, rank=1, world=2)
@@ -392,10 +396,6 @@ def test_a_node_that_rewinds_first_refuses_the_manifest_of_the_rewound_run_from_
         finally:
             for cl in clients:
                 cl.close()
-        for i in range(2):
-            shard = os.path.join(c.shm(i), "rw", "step-2", f"rank-{i}.shard")
-            m = scan_tier(MemoryTier(c.shm(i)), "rw").job("rw")[2].manifest
-            assert m is not None and m.shard(i).checksum == checksum_file(shard, MiB), \
-                f"node {i} committed a manifest of the rewound run"
+        _assert_new_run_committed(c)
     finally:
         c.close()
