@@ -316,13 +316,17 @@ class StepBook:
         """Why ``m`` cannot be this node's commit of its step ("" when it can): a shard this node took from
         a trainer has another checksum (the manifest is of a run a rewind dropped), or is not here."""
         pend = self.pending.get((m.job, m.step))
-        for sh in m.shards:
-            if pend is not None and sh.rank in pend.checksums:
-                fut = pend.checksums[sh.rank]
-                if fut.done() and not fut.cancelled() and fut.exception() is None and fut.result() != sh.checksum:
-                    return (f"rank {sh.rank}'s shard here has checksum {fut.result()}, the manifest says "
+        if pend is not None:
+            # only the ranks this node took: not a pass over the world's shards at every node and step
+            for rank, fut in pend.checksums.items():
+                sh = m.shards[rank] if rank < m.world else None
+                if sh is not None and fut.done() and not fut.cancelled() and fut.exception() is None \
+                        and fut.result() != sh.checksum:
+                    return (f"rank {rank}'s shard here has checksum {fut.result()}, the manifest says "
                             f"{sh.checksum} (a manifest of a run that was rewound)")
-            elif pend is None and sh.node == self.me:
+            return ""
+        for sh in m.shards:
+            if sh.node == self.me:
                 try:
                     size = os.path.getsize(self.memory.path(keys.shard_key(m.job, m.step, sh.rank)))
                 except OSError:

@@ -120,6 +120,13 @@ def _direct_reader(tier: Tier, key: str, size: int):
     yield lambda batch: ranges(key, batch)
 
 
+def _min_over_ranks(value: int) -> int:
+    """The smallest of every rank's ``value`` (a collective: every rank calls it at the same point)."""
+    t = torch.tensor([value], dtype=torch.int64)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return int(t.item())
+
+
 @contextlib.contextmanager
 def _kept(state: dict):
     """Put the state's CPU tensors back as they were if the block raises.
@@ -728,9 +735,7 @@ class Checkpointer:
                 mine = step
             agreed = mine
             if self.world > 1:
-                t = torch.tensor([mine], dtype=torch.int64)
-                dist.all_reduce(t, op=dist.ReduceOp.MIN)
-                agreed = int(t.item())
+                agreed = _min_over_ranks(mine)
                 if agreed != mine and agreed >= 0 and agreed not in usable and far:
                     steps = add_far()  # another rank can reach only an older step: S3 may hold it for this one
                     usable = [s for s in steps if s not in failed]
@@ -743,9 +748,7 @@ class Checkpointer:
                     continue
                 fresh = self._fresh(invs, failed)
                 if self.world > 1:  # a fresh start only if no rank found a trace: every rank raises otherwise
-                    t = torch.tensor([int(fresh)], dtype=torch.int64)
-                    dist.all_reduce(t, op=dist.ReduceOp.MIN)
-                    if fresh and not t.item():
+                    if fresh and not _min_over_ranks(int(fresh)):
                         raise RestoreError(f"job {self.job!r}: another rank found a committed step it could not "
                                            "restore (its error says which); nothing was started fresh")
                 self._raise_not_restorable(invs, None, failed)
@@ -759,9 +762,7 @@ class Checkpointer:
                 why = str(e)
             ok = why is None
             if self.world > 1:
-                t = torch.tensor([int(ok)], dtype=torch.int64)
-                dist.all_reduce(t, op=dist.ReduceOp.MIN)
-                if ok and not t.item():
+                if ok and not _min_over_ranks(int(ok)):
                     ok, why = False, "another rank could not restore it"
             if ok:
                 break
