@@ -1,14 +1,23 @@
 """Flatten a training state into named leaves, and put restored leaves back.
 
 A state is a dict whose values may be tensors (plain or DTensor), ``nn.Module``s,
-optimizers, DCP ``Stateful`` objects, nested dicts / lists / tuples, and small
-JSON values (int, float, str, bool, None). Leaves are named by their path,
-``/``-separated, with ``~`` escapes (``~0`` = ``~``, ``~1`` = ``/``) and ``~i``
-before an int dict key.
+optimizers, DCP ``Stateful`` objects (at any depth: a Stateful inside a dict,
+or inside another Stateful's state dict), nested dicts / lists / tuples,
+``bytes`` (kept raw in the shard, not in the manifest), and small JSON values
+(int, float, str, bool, None). Leaves are named by their path, ``/``-separated,
+with ``~`` escapes (``~0`` = ``~``, ``~1`` = ``/``) and ``~i`` before an int
+dict key. A list or tuple of JSON values only is one leaf, whichever of the two
+it is, so a state whose tuples became lists (or back) still matches its
+checkpoint; tuples come back as tuples.
 
 Modules and optimizers go through ``torch.distributed.checkpoint.state_dict``
 (sharded for FSDP2 / DTensor, plain otherwise), as DCP does, so FQN-keyed
-optimizer state and DTensor shards come out the same way DCP sees them.
+optimizer state and DTensor shards come out the same way DCP sees them. An
+optimizer subclass with a ``state_dict`` of its own (torchtitan's
+``OptimizersContainer``) and every other Stateful object go through their own
+``state_dict`` / ``load_state_dict``. Which tensors only an optimizer step
+changes (so their copy may overlap forward/backward) is decided by
+:mod:`ckpt._guard`, whatever container holds the optimizer.
 """
 
 from __future__ import annotations
@@ -19,9 +28,10 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from . import _guard
 from ._devices import settle, storage_key
 
-__all__ = ["Leaf", "Flat", "flatten_state", "StateError"]
+__all__ = ["Leaf", "Flat", "flatten_state", "StateError", "encode_value", "decode_value"]
 
 JSON_SCALARS = (int, float, str, bool, type(None))
 
@@ -71,16 +81,63 @@ class Flat:
 
 
 def _is_stateful(v: Any) -> bool:
-    return callable(getattr(v, "state_dict", None)) and callable(getattr(v, "load_state_dict", None))
+    return callable(getattr(v, "state_dict", None)) and callable(getattr(v, "load_state_dict", None)) \
+        and not isinstance(v, torch.Tensor)
 
 
-def _param_storages(optims: list[torch.optim.Optimizer]) -> set:
-    keys = set()
-    for o in optims:
-        for g in o.param_groups:
-            for p in g["params"]:
-                keys.add(storage_key(_local(p)))
-    return keys
+def _own_state_dict(o: torch.optim.Optimizer) -> bool:
+    """An optimizer subclass with a ``state_dict`` of its own (a container such as torchtitan's
+    ``OptimizersContainer``): its state dict is what it says it is, not what DCP's helper computes."""
+    return type(o).state_dict is not torch.optim.Optimizer.state_dict
+
+
+def _modules_in(v: Any, depth: int = 2) -> list[nn.Module]:
+    """Modules held by a state value: itself, or those in a ``Stateful`` wrapper's attributes (torchtitan's
+    ``ModelWrapper.model``) and in the lists, tuples and dicts of the state."""
+    out: list[nn.Module] = []
+
+    def visit(x: Any, d: int) -> None:
+        if d < 0:
+            return
+        if isinstance(x, nn.Module):
+            out.append(x)
+        elif isinstance(x, (list, tuple)):
+            for y in x:
+                visit(y, d - 1)
+        elif isinstance(x, dict):
+            for y in x.values():
+                visit(y, d - 1)
+        elif _is_stateful(x) and not isinstance(x, torch.optim.Optimizer):
+            for y in getattr(x, "__dict__", {}).values():
+                if isinstance(y, (nn.Module, list, tuple)):
+                    visit(y, d - 1)
+
+    visit(v, depth)
+    return out
+
+
+def _json_only(v: Any) -> bool:
+    """A list or tuple (nested to any depth) of JSON scalars only: saved as one value."""
+    return all(isinstance(x, JSON_SCALARS) or isinstance(x, (list, tuple)) and _json_only(x) for x in v)
+
+
+def encode_value(v: Any) -> Any:
+    """A JSON value for the manifest: tuples become ``{"tuple": [...]}`` (a value that is a dict is otherwise
+    only ever ``{}``), so they come back as tuples."""
+    if isinstance(v, tuple):
+        return {"tuple": [encode_value(x) for x in v]}
+    if isinstance(v, list):
+        return [encode_value(x) for x in v]
+    return v
+
+
+def decode_value(v: Any) -> Any:
+    """The value :func:`encode_value` encoded."""
+    if isinstance(v, dict) and len(v) == 1 and isinstance(v.get("tuple"), list):
+        return tuple(decode_value(x) for x in v["tuple"])
+    if isinstance(v, list):
+        return [decode_value(x) for x in v]
+    return v
 
 
 def flatten_state(state: dict, *, for_restore: bool = False) -> Flat:
@@ -94,48 +151,63 @@ def flatten_state(state: dict, *, for_restore: bool = False) -> Flat:
     from torch.distributed.checkpoint import state_dict as dsd
 
     flat = Flat()
-    modules = [v for v in state.values() if isinstance(v, nn.Module)]
-    optims = [v for v in state.values() if isinstance(v, torch.optim.Optimizer)]
-    flat.optimizers = optims
+    modules = [m for v in state.values() for m in _modules_in(v)]
+    optims: list[torch.optim.Optimizer] = []
     opts = dsd.StateDictOptions(full_state_dict=False, cpu_offload=False)
+    fixups: list[Callable[[], None]] = []
 
-    def owner_of(opt: torch.optim.Optimizer) -> nn.Module:
+    def owner_of(opt: torch.optim.Optimizer) -> nn.Module | None:
         params = {id(p) for g in opt.param_groups for p in g["params"]}
         for m in modules:
             if any(id(p) in params for p in m.parameters()):
                 return m
-        raise StateError(
-            "an optimizer in the state optimizes parameters of no module in the state: "
-            "put the model in the state too (e.g. {'model': model, 'optim': optim})"
-        )
+        return None
 
-    for name, v in state.items():
-        prefix = _seg(name)
+    def entry(v: Any, prefix: str, parent: Any, key: Any) -> None:
         if isinstance(v, nn.Module):
             sd = dsd.get_model_state_dict(v, options=opts)
             flat.appliers.append(lambda v=v, sd=sd: dsd.set_model_state_dict(v, sd, options=opts))
-            _walk(sd, prefix, flat, None, None)
+            _walk(sd, prefix, flat, None, None, fixups, entry)
         elif isinstance(v, torch.optim.Optimizer):
-            model = owner_of(v)
-            sd = dsd.get_optimizer_state_dict(model, v, options=opts)
-            flat.appliers.append(
-                lambda m=model, o=v, sd=sd: dsd.set_optimizer_state_dict(m, o, sd, options=opts))
+            optims.append(v)
+            model = None if _own_state_dict(v) else owner_of(v)
+            if model is None and not _own_state_dict(v):
+                raise StateError(
+                    f"{prefix}: an optimizer in the state optimizes parameters of no module in the state: "
+                    "put the model in the state too (e.g. {'model': model, 'optim': optim})")
             start = len(flat.leaves)
-            _walk(sd, prefix, flat, None, None)
+            if model is not None:
+                sd = dsd.get_optimizer_state_dict(model, v, options=opts)
+                flat.appliers.append(
+                    lambda m=model, o=v, sd=sd: dsd.set_optimizer_state_dict(m, o, sd, options=opts))
+            else:
+                sd = v.state_dict()
+                flat.appliers.append(lambda v=v, sd=sd: v.load_state_dict(sd))
+            _walk(sd, prefix, flat, None, None, fixups, entry)
             for leaf in flat.leaves[start:]:
                 leaf.guarded = leaf.tensor is not None
-        elif _is_stateful(v) and not isinstance(v, torch.Tensor):
+        elif _is_stateful(v):
+            optims.extend(_guard.find_optimizers(v))
             sd = v.state_dict()
             flat.appliers.append(lambda v=v, sd=sd: v.load_state_dict(sd))
-            _walk(sd, prefix, flat, None, None)
+            _walk(sd, prefix, flat, None, None, fixups, entry)
         else:
-            _walk(v, prefix, flat, state, name)
-    if optims:
-        guarded = _param_storages(optims)
+            _walk(v, prefix, flat, parent, key, fixups, entry)
+
+    for name, v in state.items():
+        entry(v, _seg(name), state, name)
+    for o in list(optims):
+        optims.extend(x for x in _guard.find_optimizers(o) if x is not o)
+    flat.optimizers = optims
+    _guard.learn(optims)
+    guarded = _guard.guarded_storages()
+    if guarded:
         for leaf in flat.leaves:
             if leaf.tensor is not None and not leaf.guarded:
                 if storage_key(_local(leaf.tensor)) in guarded:
                     leaf.guarded = True
+    # tuples rebuilt (innermost first) before any container loads the state dict that holds them
+    flat.appliers[:0] = fixups
     if for_restore:
         devices = {leaf.tensor.device.type for leaf in flat.leaves
                    if leaf.tensor is not None and not leaf.tensor.is_cpu}
@@ -154,30 +226,33 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def _walk(v: Any, name: str, flat: Flat, parent: Any, key: Any) -> None:
+def _walk(v: Any, name: str, flat: Flat, parent: Any, key: Any, fixups: list, entry: Callable) -> None:
     if isinstance(v, torch.Tensor):
         flat.leaves.append(Leaf(name, tensor=v, parent=parent, key=key))
     elif isinstance(v, dict):
         if not v:
             flat.leaves.append(Leaf(name, value={}, parent=parent, key=key))
         for k, x in v.items():
-            _walk(x, _join(name, k), flat, v, k)
-    elif isinstance(v, tuple) and all(isinstance(x, JSON_SCALARS) for x in v):
+            _walk(x, _join(name, k), flat, v, k, fixups, entry)
+    elif isinstance(v, (list, tuple)) and _json_only(v):
         flat.leaves.append(Leaf(name, value=v, parent=parent, key=key))
     elif isinstance(v, (list, tuple)):
-        if not v:
-            flat.leaves.append(Leaf(name, value=[] if isinstance(v, list) else (), parent=parent, key=key))
-        # tuples are immutable: their elements are restored through a list and re-tupled
-        for i, x in enumerate(v):
-            _walk(x, _join(name, i), flat, v, i)
+        # a tuple is immutable: its elements are restored into a list, turned back into a tuple afterwards
+        items = list(v) if isinstance(v, tuple) else v
+        for i, x in enumerate(items):
+            _walk(x, _join(name, i), flat, items, i, fixups, entry)
+        if isinstance(v, tuple) and parent is not None and not isinstance(parent, tuple):
+            fixups.append(lambda p=parent, k=key, items=items: p.__setitem__(k, tuple(items)))
+    elif isinstance(v, (bytes, bytearray)):
+        flat.leaves.append(Leaf(name, value=bytes(v), parent=parent, key=key))
     elif isinstance(v, JSON_SCALARS):
         if isinstance(v, float) and v != v or v in (float("inf"), float("-inf")):
             raise StateError(f"{name} is {v}: non-finite floats cannot be saved as JSON; store a tensor instead")
         flat.leaves.append(Leaf(name, value=v, parent=parent, key=key))
     elif isinstance(v, (nn.Module, torch.optim.Optimizer)) or _is_stateful(v):
-        raise StateError(f"{name}: modules, optimizers and Stateful objects must be top-level entries of the state")
+        entry(v, name, parent, key)  # nested: the same as at the top level
     else:
         raise StateError(
             f"{name} is a {type(v).__name__}: the state may hold tensors, modules, optimizers, "
-            "Stateful objects, dicts, lists and JSON values (int, float, str, bool, None)"
+            "Stateful objects, dicts, lists, tuples, bytes and JSON values (int, float, str, bool, None)"
         )

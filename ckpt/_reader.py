@@ -23,7 +23,7 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner
 
 from recovery import RestorePlan, open_shard
-from tiers.manifest import TensorChunk
+from tiers.manifest import BYTES_DTYPE, TensorChunk
 
 from ._tensors import buffer_allocator, dtype_of as _dtype
 
@@ -42,7 +42,7 @@ class PlanReader(StorageReader):
         self._where: dict[tuple[str, tuple[int, ...]], tuple[int, TensorChunk]] = {}
         for sh in plan.manifest.shards:
             for e in plan.entries(sh.rank):
-                if isinstance(e, TensorChunk):
+                if isinstance(e, TensorChunk) and e.dtype != BYTES_DTYPE:  # bytes values: not DCP's
                     self._where.setdefault((e.name, e.offsets), (sh.rank, e))
 
     def reset(self, checkpoint_id: Any = None) -> None:

@@ -53,10 +53,11 @@ from tiers import keys
 from tiers.base import Tier
 from tiers.errors import ManifestError, TierError
 from tiers.layout import Layout
-from tiers.manifest import JsonEntry, TensorChunk
+from tiers.manifest import BYTES_DTYPE, JsonEntry, TensorChunk
 
 from ._devices import DeviceAdapter, Item, make_adapter
-from ._flatten import Flat, Leaf, flatten_state
+from . import _guard
+from ._flatten import Flat, Leaf, decode_value, encode_value, flatten_state
 from ._tensors import buffer_allocator, buffer_view as _buffer_view, dtype_name as _dtype_name
 from ._tensors import dtype_of as _dtype
 
@@ -259,6 +260,7 @@ class Checkpointer:
         config: str | None = None,
         idle_exit: float = 120.0,
         verify: bool = True,
+        overlap: bool = True,
     ) -> None:
         self.job = keys.check_job(job)
         if not isinstance(every, int) or every < 1:
@@ -266,6 +268,7 @@ class Checkpointer:
         self.every = every
         self.metadata = dict(metadata or {})
         self.verify = verify
+        self.overlap = overlap
         args = dict(shm=shm, disk=disk, s3=s3, s3_endpoint=s3_endpoint, socket=agent, disk_every=disk_every,
                     s3_every=s3_every, keep_memory=keep_memory, keep_disk=keep_disk, keep_s3=keep_s3)
         self.settings = Settings.load(args, config_file=config)
@@ -301,7 +304,7 @@ class Checkpointer:
         self._last_layout: Layout | None = None
         self._layout_sent: str | None = None
         self._errors: list[str] = []
-        self._hooks: dict[int, Any] = {}
+        self._hook: Any = None
         self._lock = threading.Lock()
         self._closed = False
         self._next_slot: tuple[str, int] | None = None
@@ -310,6 +313,8 @@ class Checkpointer:
         self._lease_client: AgentClient | None = None
         self.last_restore: RestoreReport | None = None
         self.skipped: list[tuple[int, str]] = []
+        if overlap:
+            self._install_hook()  # from now on it learns every optimizer that steps
 
     # ------------------------------------------------------------------ tiers
     def tiers(self) -> list[Tier]:
@@ -364,10 +369,11 @@ class Checkpointer:
             except Exception:
                 pass  # stored; raised at the next save/wait/close
 
-    def _install_hooks(self, optims: list[torch.optim.Optimizer]) -> None:
-        for o in optims:
-            if id(o) not in self._hooks:
-                self._hooks[id(o)] = o.register_step_pre_hook(self._wait_guarded)
+    def _install_hook(self) -> None:
+        # one hook for every optimizer of the process (ckpt._guard): it also learns the optimizers that step,
+        # so parameters and optimizer state inside any container are copied in the background from then on
+        if self._hook is None:
+            self._hook = _guard.register_waiter(self._wait_guarded)
 
     def _device(self, device_type: str) -> DeviceAdapter:
         ad = self._devices.get(device_type)
@@ -418,6 +424,8 @@ class Checkpointer:
         if self._inflight is not None:
             self._wait_guarded()
             self._raise_pending()
+        if self.overlap:
+            self._install_hook()  # before flattening: a container's state_dict may take an optimizer step
         flat = flatten_state(state)
         layout, values, copies, total = self._layout(flat)
         slot = self._take_prelease(total)
@@ -442,7 +450,6 @@ class Checkpointer:
             self._client.call("release", slot=slot)
             raise
         meta = {**self.metadata, **(metadata or {})}
-        self._install_hooks(flat.optimizers)
         self._inflight = fut
 
         def finish() -> None:
@@ -577,9 +584,17 @@ class Checkpointer:
         copies = []
         off = 0
         for leaf in flat.leaves:
+            if isinstance(leaf.value, bytes):
+                # raw in the shard, copied before save returns (the caller may reuse the object)
+                n = len(leaf.value)
+                off = (off + _ALIGN - 1) // _ALIGN * _ALIGN
+                chunks.append(TensorChunk(leaf.name, BYTES_DTYPE, (n,), (0,), (n,), off, n))
+                if n:
+                    copies.append((torch.frombuffer(bytearray(leaf.value), dtype=torch.uint8), off, n, False))
+                off += n
+                continue
             if leaf.tensor is None:
-                v = list(leaf.value) if isinstance(leaf.value, tuple) else leaf.value
-                values.append([leaf.name, v])
+                values.append([leaf.name, encode_value(leaf.value)])
                 continue
             local, gshape, offsets = _local(leaf.tensor)
             if local.requires_grad:  # state-dict entries come detached; on XLA a detach is a traced op
@@ -588,7 +603,7 @@ class Checkpointer:
             off = (off + _ALIGN - 1) // _ALIGN * _ALIGN
             chunks.append(TensorChunk(leaf.name, _dtype_name(local.dtype), gshape, offsets,
                                       tuple(local.shape), off, n))
-            copies.append((local, off, n, leaf.guarded))
+            copies.append((local, off, n, leaf.guarded and self.overlap))
             off += n
         layout = Layout(tuple(chunks))
         if layout == self._last_layout:
@@ -622,9 +637,9 @@ class Checkpointer:
         try:
             self.wait()
         finally:
-            for h in self._hooks.values():
-                h.remove()
-            self._hooks.clear()
+            if self._hook is not None:
+                self._hook.remove()
+                self._hook = None
             self._pool.shutdown(wait=True)
             for c in self._copiers:
                 c.shutdown(wait=True)
@@ -907,15 +922,30 @@ class Checkpointer:
         with torch.no_grad():
             dcp.load(tensors, storage_reader=reader, planner=DefaultLoadPlanner(allow_partial_load=True))
         src_rank = self.rank if self.rank < plan.manifest.world else 0
-        values = {e.name: e for e in plan.manifest.shard(src_rank).entries if isinstance(e, JsonEntry)}
+        values = {e.name: e for e in plan.entries(src_rank)
+                  if isinstance(e, JsonEntry) or e.dtype == BYTES_DTYPE}
+        for leaf in flat.leaves:
+            if leaf.tensor is None and leaf.name not in values:
+                raise StateMismatchError(f"step {plan.step} of {plan.job!r} has no value {leaf.name}")
+        raw = self._read_values(plan, src_rank, [values[leaf.name] for leaf in flat.leaves
+                                                 if leaf.tensor is None and isinstance(leaf.value, bytes)])
         for leaf in flat.leaves:
             if leaf.tensor is None:
-                if leaf.name not in values:
-                    raise StateMismatchError(f"step {plan.step} of {plan.job!r} has no value {leaf.name}")
-                self._fill(leaf, values[leaf.name], None)
+                self._fill(leaf, values[leaf.name], None, raw.get(leaf.name, b""))
         for apply in flat.appliers:
             apply()
         return reader.reports
+
+    def _read_values(self, plan: RestorePlan, rank: int, entries: list[TensorChunk]) -> dict[str, bytes]:
+        """The bytes values ``entries`` of ``rank``'s shard (its whole shard is read and verified)."""
+        if not entries:
+            return {}
+        keep: list[torch.Tensor] = []
+        shard = open_shard(plan, rank, buffer_allocator(keep), verify=self.verify)
+        try:
+            return {e.name: bytes(shard.view[e.offset: e.offset + e.nbytes]) for e in entries}
+        finally:
+            shard.close()
 
     def _load(self, plan: RestorePlan, state: dict) -> ShardReport:
         info = plan.manifest.shard(self.rank)
@@ -963,14 +993,15 @@ class Checkpointer:
         t0 = time.perf_counter()
         by_name, flat = self._target(plan, state, info)
         targets: dict[int, tuple[Leaf, Any]] = {}
+        raw: list[tuple[Leaf, bytearray]] = []  # bytes values, read into buffers of their own
         for leaf in flat.leaves:
             entry = by_name[leaf.name]
             if leaf.tensor is not None:
                 self._check_leaf(leaf, entry)
-                if entry.nbytes:
-                    targets[entry.offset] = (leaf, entry)
-            elif not isinstance(entry, JsonEntry):
-                raise StateMismatchError(f"{leaf.name} is a value in the state but a tensor in the checkpoint")
+            else:
+                self._check_value(leaf, entry)
+            if isinstance(entry, TensorChunk) and entry.nbytes:
+                targets[entry.offset] = (leaf, entry)
         from tiers.checksum import Hasher
 
         hasher = Hasher()
@@ -981,6 +1012,11 @@ class Checkpointer:
             leaf, entry = targets[off]
             if off > pos:
                 pieces.append((pos, memoryview(bytearray(off - pos)), None))
+            if leaf.tensor is None:
+                raw.append((leaf, bytearray(entry.nbytes)))
+                pieces.append((off, memoryview(raw[-1][1]), None))
+                pos = off + entry.nbytes
+                continue
             local = _local(leaf.tensor)[0]
             direct = local.is_cpu and local.is_contiguous()
             dst = local if direct else self._device(local.device.type).host_empty(entry.shape, local.dtype)
@@ -1031,10 +1067,11 @@ class Checkpointer:
                 by_device.setdefault(staged[0].device.type, []).append(staged)
         for device_type, pairs in by_device.items():
             self._device(device_type).restore(pairs)
+        got_raw = {id(leaf): bytes(b) for leaf, b in raw}
         with torch.no_grad():
             for leaf in flat.leaves:
                 if leaf.tensor is None:
-                    self._fill(leaf, by_name[leaf.name], None)
+                    self._fill(leaf, by_name[leaf.name], None, got_raw.get(id(leaf), b""))
         for apply in flat.appliers:
             apply()
         return ShardReport(self.rank, tier.name, info.size, time.perf_counter() - t0, source=source_name(tier))
@@ -1052,8 +1089,18 @@ class Checkpointer:
         return by_name, flat
 
     @staticmethod
+    def _check_value(leaf: Leaf, entry: Any) -> None:
+        """StateMismatchError unless a value of the state (bytes, or a JSON value) is one in the checkpoint."""
+        if isinstance(leaf.value, bytes):
+            if not (isinstance(entry, TensorChunk) and entry.dtype == BYTES_DTYPE):
+                raise StateMismatchError(f"{leaf.name} is bytes in the state but not in the checkpoint")
+        elif not isinstance(entry, JsonEntry):
+            what = "bytes" if isinstance(entry, TensorChunk) and entry.dtype == BYTES_DTYPE else "a tensor"
+            raise StateMismatchError(f"{leaf.name} is a value in the state but {what} in the checkpoint")
+
+    @staticmethod
     def _check_leaf(leaf: Leaf, entry: Any) -> None:
-        if not isinstance(entry, TensorChunk):
+        if not isinstance(entry, TensorChunk) or entry.dtype == BYTES_DTYPE:
             raise StateMismatchError(f"{leaf.name} is a tensor in the state but a value in the checkpoint")
         local, gshape, offsets = _local(leaf.tensor)
         dt = _dtype(entry.dtype)
@@ -1073,8 +1120,8 @@ class Checkpointer:
         for leaf in flat.leaves:  # every mismatch is found before anything is written
             if leaf.tensor is not None:
                 self._check_leaf(leaf, by_name[leaf.name])
-            elif not isinstance(by_name[leaf.name], JsonEntry):
-                raise StateMismatchError(f"{leaf.name} is a value in the state but a tensor in the checkpoint")
+            else:
+                self._check_value(leaf, by_name[leaf.name])
         with torch.no_grad():
             for leaf in flat.leaves:
                 self._fill(leaf, by_name[leaf.name], buf)
@@ -1084,11 +1131,17 @@ class Checkpointer:
         return report
 
     @staticmethod
-    def _fill(leaf: Leaf, entry: Any, buf: torch.Tensor) -> None:
+    def _fill(leaf: Leaf, entry: Any, buf: torch.Tensor | None, raw: bytes | None = None) -> None:
+        """Put the checkpoint's value of ``leaf`` into the state: from ``buf`` (the shard), or, for a bytes
+        value read on its own, ``raw``."""
         if leaf.tensor is None:
-            if not isinstance(entry, JsonEntry):
-                raise StateMismatchError(f"{leaf.name} is a value in the state but a tensor in the checkpoint")
-            v = tuple(entry.value) if isinstance(leaf.value, tuple) and isinstance(entry.value, list) else entry.value
+            Checkpointer._check_value(leaf, entry)
+            if isinstance(entry, TensorChunk):
+                v: Any = raw if raw is not None else bytes(buf[entry.offset: entry.offset + entry.nbytes].numpy())
+            else:
+                v = decode_value(entry.value)
+                if isinstance(leaf.value, tuple) and isinstance(v, list):
+                    v = tuple(v)  # a checkpoint from before tuples were told apart
             if leaf.parent is not None and not isinstance(leaf.parent, tuple):
                 leaf.parent[leaf.key] = v
             return

@@ -22,7 +22,8 @@ and dtypes, and values no real checkpoint has (a tensor or shard over
 
 The entries a rank saved:
 
-* a tensor chunk: ``name``, ``dtype`` (torch dtype name without ``torch.``),
+* a tensor chunk: ``name``, ``dtype`` (torch dtype name without ``torch.``,
+  or ``bytes`` for a ``bytes`` value kept raw in the shard, one-dimensional),
   ``global_shape`` (the whole tensor), ``offsets`` and ``shape`` (this chunk's
   place in it; a replicated tensor has zero offsets and ``shape ==
   global_shape``), ``offset`` and ``nbytes`` (byte range inside the shard);
@@ -58,6 +59,7 @@ __all__ = [
     "MANIFEST_FORMAT",
     "MANIFEST_VERSION",
     "DTYPE_SIZES",
+    "BYTES_DTYPE",
     "TensorChunk",
     "JsonEntry",
     "ShardInfo",
@@ -81,6 +83,9 @@ _CHECKSUM_RE = re.compile(r"xxh3_64:[0-9a-f]{16}\Z")
 _V1_FIELDS = frozenset({"format", "version", "library", "job", "step", "world", "created", "metadata", "shards",
                         "checksum"})
 
+#: the dtype name of a chunk that holds a ``bytes`` value, not a tensor
+BYTES_DTYPE = "bytes"
+
 #: bytes per element of every dtype a shard may hold
 DTYPE_SIZES: dict[str, int] = {
     "float64": 8, "float32": 4, "float16": 2, "bfloat16": 2,
@@ -88,6 +93,8 @@ DTYPE_SIZES: dict[str, int] = {
     "int64": 8, "int32": 4, "int16": 2, "int8": 1, "uint8": 1,
     "uint16": 2, "uint32": 4, "uint64": 8, "bool": 1,
     "float8_e4m3fn": 1, "float8_e5m2": 1, "float8_e4m3fnuz": 1, "float8_e5m2fnuz": 1,
+    # not a torch dtype: a ``bytes`` value the state held, kept raw in the shard (one-dimensional)
+    BYTES_DTYPE: 1,
 }
 
 
@@ -150,6 +157,9 @@ class TensorChunk:
             raise ManifestError(f"malformed manifest: {where} has an empty name")
         if self.dtype not in DTYPE_SIZES:
             raise ManifestError(f"malformed manifest: {where} has unknown dtype {self.dtype!r}")
+        if self.dtype == BYTES_DTYPE and not (len(self.shape) == 1 and self.shape == self.global_shape
+                                              and self.offsets == (0,)):
+            raise ManifestError(f"malformed manifest: {where} is a bytes value with a shape or offsets: damaged")
         if not (len(self.global_shape) == len(self.offsets) == len(self.shape)):
             raise ManifestError(f"malformed manifest: {where} shape, offsets and global_shape differ in rank")
         if len(self.global_shape) > MAX_NDIM:
