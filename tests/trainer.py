@@ -98,12 +98,15 @@ def main() -> int:
         out.flush()
 
     model, optim = build(a.fsdp, a.width, a.gpt)
-    state = {"model": model, "optim": optim, "progress": {"step": -1}}
+    # a bytes value of each rank (as a data loader's pickled state is): raw in the shard, restored per rank
+    state = {"model": model, "optim": optim, "progress": {"step": -1, "token": b""}}
     with ckpt.Checkpointer(a.job, shm=a.shm, disk=a.disk, s3=a.s3, s3_endpoint=a.s3_endpoint, every=a.every,
                            disk_every=a.disk_every, s3_every=a.s3_every, spawn=not a.no_spawn) as ck:
         last = ck.restore(state)
         if last is not None:
             assert state["progress"]["step"] == last, (state["progress"], last)
+            # a resharded restore gives each rank the bytes of the same rank, or of rank 0 when there are more ranks
+            assert state["progress"]["token"] in (f"{rank}:{last}".encode(), f"0:{last}".encode()), state["progress"]
             emit(restored=last, tiers=ck.last_restore.tiers)
         for step in range(0 if last is None else last + 1, a.steps):
             g = torch.Generator().manual_seed(step * 1000 + rank)
@@ -120,6 +123,7 @@ def main() -> int:
             optim.zero_grad(set_to_none=True)
             emit(step=step, loss=float(loss.item()).hex())
             state["progress"]["step"] = step
+            state["progress"]["token"] = f"{rank}:{step}".encode()
             fut = ck.save(step, state)
             if step == a.kill_at and rank == a.kill_rank and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
                 fut.wait_staged()

@@ -1,0 +1,204 @@
+"""State as training stacks hand it over: torchtitan's Stateful containers, bytes, tuples, nested Stateful.
+
+The torchtitan state is built from torchtitan's own classes (tests/titan_state.py): ModelWrapper,
+OptimizersContainer, LRSchedulersContainer, ParallelAwareDataloader (a torchdata StatefulDataLoader
+whose state is pickled bytes).
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+from torch import nn
+
+import ckpt
+from ckpt import _guard
+
+from titan_state import titan_state
+
+
+class TinyLM(nn.Module):
+    def __init__(self, vocab: int = 64, d: int = 32) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(vocab, d)
+        self.mlp = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))
+        self.norm = nn.LayerNorm(d)
+        self.head = nn.Linear(d, vocab)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.emb(x)
+        return self.head(self.norm(h + self.mlp(h)))
+
+
+def _model(seed: int) -> TinyLM:
+    torch.manual_seed(seed)
+    return TinyLM()
+
+
+def _train(state: dict, it, steps: int) -> list[str]:
+    """``steps`` torchtitan-style steps; the losses as exact hex strings."""
+    model = state["model"].model[0]
+    losses = []
+    for _ in range(steps):
+        batch = next(it)
+        logits = model(batch[:, :-1])
+        loss = nn.functional.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten())
+        loss.backward()
+        state["optimizer"].step()
+        state["lr_scheduler"].step()
+        state["optimizer"].zero_grad()
+        state["train_state"].step += 1
+        state["train_state"].ntokens_seen += batch.numel()
+        losses.append(float(loss).hex())
+    return losses
+
+
+def test_torchtitan_state_round_trips_bit_exact_and_resumes_the_same_losses(tmp_path):
+    state = titan_state(_model(0))
+    it = iter(state["dataloader"])
+    _train(state, it, 3)
+    with ckpt.Checkpointer("titan", shm=str(tmp_path / "shm")) as ck:
+        ck.save(3, state).wait()
+        expected = _train(state, it, 3)
+
+        fresh = titan_state(_model(7))
+        assert ck.restore(fresh) == 3
+    assert fresh["train_state"].state_dict() == {"step": 3, "ntokens_seen": 3 * 2 * 9}
+    assert fresh["lr_scheduler"].schedulers[0].last_epoch == 3
+    assert _train(fresh, iter(fresh["dataloader"]), 3) == expected
+    for (n, a), (m, b) in zip(state["model"].state_dict().items(), fresh["model"].state_dict().items()):
+        assert n == m and torch.equal(a, b), n
+
+
+def test_torchtitan_state_copy_overlaps_until_the_container_steps(tmp_path, monkeypatch):
+    """The parameters and optimizer state inside torchtitan's containers are copied after ``save`` returns, and
+    the container's next optimizer step waits for that copy: the checkpoint holds the pre-step values."""
+    state = titan_state(_model(1))
+    it = iter(state["dataloader"])
+    _train(state, it, 2)
+    inner = state["optimizer"].optimizers[0]
+    release = threading.Event()
+    copying = threading.Event()
+    real = ckpt.Checkpointer._copy_parallel
+
+    def held(self, buf, items):
+        copying.set()
+        assert release.wait(120)
+        return real(self, buf, items)
+
+    monkeypatch.setattr(ckpt.Checkpointer, "_copy_parallel", held)
+    with ckpt.Checkpointer("titan-overlap", shm=str(tmp_path / "shm")) as ck:
+        before = {k: v.clone() for k, v in state["model"].state_dict().items()}
+        fut = ck.save(2, state)
+        assert copying.wait(60)
+        assert not fut.staged()  # save returned while the guarded tensors are still to be copied
+        stepped = threading.Event()
+        h = inner.register_step_pre_hook(lambda *a: stepped.set())  # runs after the global waiting hook
+        batch = next(it)
+        model = state["model"].model[0]
+        nn.functional.cross_entropy(model(batch[:, :-1]).flatten(0, 1), batch[:, 1:].flatten()).backward()
+        t = threading.Thread(target=state["optimizer"].step)
+        t.start()
+        assert not stepped.wait(1.0)  # the optimizer step waits for the copy
+        release.set()
+        assert stepped.wait(60)
+        t.join(60)
+        h.remove()
+        fut.wait()
+        assert any(not torch.equal(before[k], v) for k, v in state["model"].state_dict().items())
+        fresh = titan_state(_model(9))
+        assert ck.restore(fresh) == 2
+    for k, v in fresh["model"].state_dict().items():
+        assert torch.equal(v, before[k]), k
+
+
+def test_optimizers_inside_stateful_containers_are_guarded_and_learned_from_their_steps():
+    model = _model(2)
+    state = titan_state(model)
+    found = _guard.find_optimizers(state["optimizer"])
+    assert state["optimizer"].optimizers[0] in found
+    guarded = _guard.guarded_storages(found)
+    from ckpt._devices import storage_key
+
+    assert all(storage_key(p) in guarded for p in model.parameters())
+    # an optimizer nobody named is learned when it steps under a registered waiter
+    other = nn.Linear(3, 3)
+    opt = torch.optim.SGD(other.parameters(), lr=0.1)
+    reg = _guard.register_waiter(lambda: None)
+    try:
+        assert opt not in _guard.known_optimizers()
+        other(torch.ones(1, 3)).sum().backward()
+        opt.step()
+        assert opt in _guard.known_optimizers()
+        assert storage_key(other.weight) in _guard.guarded_storages()
+    finally:
+        reg.remove()
+
+
+class Nest:
+    """A Stateful holding another Stateful, a tuple with a tensor, and bytes."""
+
+    def __init__(self, seed: int) -> None:
+        self.child = Leafy(seed)
+        self.pair = (torch.full((3,), float(seed)), seed)
+        self.blob = bytes([seed % 256]) * (1000 + seed)
+
+    def state_dict(self) -> dict:
+        return {"child": self.child, "pair": self.pair, "blob": self.blob, "cfg": ((1, 2), [3, (4, 5)])}
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.pair, self.blob, self.cfg = sd["pair"], sd["blob"], sd["cfg"]
+
+
+class Leafy:
+    def __init__(self, seed: int) -> None:
+        self.n, self.raw = seed, bytes(range(seed % 7))
+
+    def state_dict(self) -> dict:
+        return {"n": self.n, "raw": self.raw}
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.n, self.raw = sd["n"], sd["raw"]
+
+
+def test_bytes_tuples_and_nested_stateful_round_trip_with_their_types(tmp_path):
+    saved = {"nest": Nest(5), "blobs": [b"", b"\x00" * 3, bytearray(b"xyz")], "betas": (0.9, 0.95),
+             "deep": {"t": ((1, "a"), (None, True))}, "mixed": (torch.arange(4), "k", 2.5)}
+    with ckpt.Checkpointer("values", shm=str(tmp_path / "shm")) as ck:
+        ck.save(0, saved).wait()
+        target = {"nest": Nest(2), "blobs": [b"?", b"?", b"?"], "betas": [0.0, 0.0],
+                  "deep": {"t": [[0, "b"], [1, False]]}, "mixed": (torch.zeros(4, dtype=torch.int64), "", 0.0)}
+        assert ck.restore(target) == 0
+    n = target["nest"]
+    assert n.child.n == 5 and n.child.raw == bytes(range(5)) and n.blob == b"\x05" * 1005
+    assert isinstance(n.pair, tuple) and torch.equal(n.pair[0], torch.full((3,), 5.0)) and n.pair[1] == 5
+    assert n.cfg == ((1, 2), [3, (4, 5)]) and isinstance(n.cfg, tuple) and isinstance(n.cfg[1][1], tuple)
+    assert target["blobs"] == [b"", b"\x00\x00\x00", b"xyz"] and all(type(b) is bytes for b in target["blobs"])
+    # tuples come back as tuples, even into a state whose tuples became lists (as dcp.load leaves them)
+    assert target["betas"] == (0.9, 0.95) and isinstance(target["betas"], tuple)
+    assert target["deep"]["t"] == ((1, "a"), (None, True))
+    assert isinstance(target["mixed"], tuple) and target["mixed"][1:] == ("k", 2.5)
+    assert torch.equal(target["mixed"][0], torch.arange(4))
+
+
+def test_bytes_are_kept_raw_in_the_shard_not_in_the_manifest(tmp_path):
+    blob = bytes(range(256)) * 64
+    with ckpt.Checkpointer("rawbytes", shm=str(tmp_path / "shm")) as ck:
+        ck.save(0, {"blob": blob}).wait()
+    shards = [p for p in (tmp_path / "shm").rglob("*") if p.is_file() and blob in p.read_bytes()]
+    manifests = [p for p in (tmp_path / "shm").rglob("*manifest*") if p.is_file()]
+    assert manifests and shards
+    assert all(p not in shards for p in manifests)
+
+
+def test_bytes_in_the_state_against_a_value_in_the_checkpoint_is_a_mismatch(tmp_path):
+    with ckpt.Checkpointer("bytesmm", shm=str(tmp_path / "shm")) as ck:
+        ck.save(0, {"x": b"abc", "y": 3}).wait()
+        with pytest.raises(ckpt.StateMismatchError, match="x is a value in the state but bytes"):
+            ck.restore({"x": 1, "y": 3})
+        with pytest.raises(ckpt.StateMismatchError, match="y is bytes in the state"):
+            ck.restore({"x": b"", "y": b""})
+        with pytest.raises(ckpt.StateMismatchError, match="x is a tensor in the state"):
+            ck.restore({"x": torch.zeros(3, dtype=torch.uint8), "y": 3})
