@@ -12,9 +12,11 @@ Call order::
 agent. Tensors that only an optimizer step may change (parameters and
 optimizer state) are copied in the background while the next forward/backward
 runs; an optimizer step pre-hook waits for that copy before any parameter
-changes. Everything else (buffers, plain tensors, Stateful state) is copied
-before ``save`` returns. Once the copy is done the agent is told, and it does
-the rest (checksum, manifest, disk, S3) in its own process.
+changes (one global hook, :mod:`ckpt._guard`, for every optimizer of the
+process, bare or inside a ``Stateful`` container). Everything else (buffers,
+plain tensors, other Stateful state, bytes) is copied before ``save``
+returns. Once the copy is done the agent is told, and it does the rest
+(checksum, manifest, disk, S3) in its own process.
 
 Each device type's tensors reach the slot through that type's adapter
 (:mod:`ckpt._devices`): CPU tensors on this module's copier threads, CUDA
@@ -235,6 +237,13 @@ class Checkpointer:
     then defaults (:class:`agents.config.Settings`). When an agent already runs
     on this node's memory folder its tier settings win; when none runs one is
     started (``spawn=True``) and stopped after the job.
+
+    ``overlap``: copy parameters and optimizer state while the next
+    forward/backward runs, with every optimizer step of the process waiting
+    for that copy (:mod:`ckpt._guard`: one global optimizer step pre-hook,
+    whatever container holds the optimizer). Pass False when something other
+    than an optimizer step changes parameters in place (weights edited by
+    hand): every tensor is then copied before ``save`` returns.
 
     Raises InvalidNameError for a bad job name, AgentUnreachableError when no
     agent runs and ``spawn`` is False.
