@@ -28,6 +28,8 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from tiers.manifest import decode_value, encode_value
+
 from . import _guard
 from ._devices import settle, storage_key
 
@@ -119,25 +121,6 @@ def _modules_in(v: Any, depth: int = 2) -> list[nn.Module]:
 def _json_only(v: Any) -> bool:
     """A list or tuple (nested to any depth) of JSON scalars only: saved as one value."""
     return all(isinstance(x, JSON_SCALARS) or isinstance(x, (list, tuple)) and _json_only(x) for x in v)
-
-
-def encode_value(v: Any) -> Any:
-    """A JSON value for the manifest: tuples become ``{"tuple": [...]}`` (a value that is a dict is otherwise
-    only ever ``{}``), so they come back as tuples."""
-    if isinstance(v, tuple):
-        return {"tuple": [encode_value(x) for x in v]}
-    if isinstance(v, list):
-        return [encode_value(x) for x in v]
-    return v
-
-
-def decode_value(v: Any) -> Any:
-    """The value :func:`encode_value` encoded."""
-    if isinstance(v, dict) and len(v) == 1 and isinstance(v.get("tuple"), list):
-        return tuple(decode_value(x) for x in v["tuple"])
-    if isinstance(v, list):
-        return [decode_value(x) for x in v]
-    return v
 
 
 def flatten_state(state: dict, *, for_restore: bool = False) -> Flat:

@@ -10,6 +10,8 @@ from __future__ import annotations
 import threading
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 import torch
 from torch import nn
 
@@ -202,3 +204,39 @@ def test_bytes_in_the_state_against_a_value_in_the_checkpoint_is_a_mismatch(tmp_
             ck.restore({"x": b"", "y": b""})
         with pytest.raises(ckpt.StateMismatchError, match="x is a tensor in the state"):
             ck.restore({"x": torch.zeros(3, dtype=torch.uint8), "y": 3})
+
+
+_scalars = st.one_of(st.none(), st.booleans(), st.integers(-2**53, 2**53), st.text(max_size=5),
+                     st.floats(allow_nan=False, allow_infinity=False))
+_values = st.recursive(_scalars, lambda inner: st.one_of(st.lists(inner, max_size=3),
+                                                         st.lists(inner, max_size=3).map(tuple)), max_leaves=12)
+
+
+def _same(a, b) -> bool:
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+@settings(max_examples=200, deadline=None)
+@given(_values)
+def test_json_values_keep_their_list_and_tuple_types_through_the_manifest_encoding(v):
+    import json
+
+    from tiers.manifest import decode_value, encode_value
+
+    assert _same(decode_value(json.loads(json.dumps(encode_value(v)))), v)
+
+
+def test_a_bytes_chunk_with_a_shape_or_offsets_is_refused_by_the_manifest_parser():
+    from tiers.errors import ManifestError
+    from tiers.manifest import BYTES_DTYPE, TensorChunk
+
+    TensorChunk("b", BYTES_DTYPE, (5,), (0,), (5,), 0, 5).check("x")
+    for bad in [TensorChunk("b", BYTES_DTYPE, (2, 3), (0, 0), (2, 3), 0, 6),
+                TensorChunk("b", BYTES_DTYPE, (6,), (1,), (5,), 0, 5),
+                TensorChunk("b", BYTES_DTYPE, (6,), (0,), (5,), 0, 5)]:
+        with pytest.raises(ManifestError, match="bytes value"):
+            bad.check("x")

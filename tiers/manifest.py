@@ -28,7 +28,7 @@ The entries a rank saved:
   place in it; a replicated tensor has zero offsets and ``shape ==
   global_shape``), ``offset`` and ``nbytes`` (byte range inside the shard);
 * a small JSON value (a data loader position, a step counter): ``name`` and
-  ``value``;
+  ``value`` (a tuple written as ``{"tuple": [...]}``, see :func:`encode_value`);
 
 and which node's agent took each shard from its trainer (``node``, the
 primary copy; 0 on a single node).
@@ -60,6 +60,8 @@ __all__ = [
     "MANIFEST_VERSION",
     "DTYPE_SIZES",
     "BYTES_DTYPE",
+    "encode_value",
+    "decode_value",
     "TensorChunk",
     "JsonEntry",
     "ShardInfo",
@@ -198,6 +200,25 @@ class JsonEntry:
 
 
 Entry = TensorChunk | JsonEntry
+
+
+def encode_value(v: Any) -> Any:
+    """A JSON value for the manifest: tuples become ``{"tuple": [...]}`` (a value that is a dict is otherwise
+    only ever ``{}``), so they come back as tuples."""
+    if isinstance(v, tuple):
+        return {"tuple": [encode_value(x) for x in v]}
+    if isinstance(v, list):
+        return [encode_value(x) for x in v]
+    return v
+
+
+def decode_value(v: Any) -> Any:
+    """The value :func:`encode_value` encoded."""
+    if isinstance(v, dict) and len(v) == 1 and isinstance(v.get("tuple"), list):
+        return tuple(decode_value(x) for x in v["tuple"])
+    if isinstance(v, list):
+        return [decode_value(x) for x in v]
+    return v
 
 
 def validate_layout(entries: list[dict], size: int | None = None, where: str = "layout") -> list[Entry]:
