@@ -138,6 +138,7 @@ def flatten_state(state: dict, *, for_restore: bool = False) -> Flat:
     optims: list[torch.optim.Optimizer] = []
     opts = dsd.StateDictOptions(full_state_dict=False, cpu_offload=False)
     fixups: list[Callable[[], None]] = []
+    no_dsd: set[int] = set()  # modules saved through their own state_dict (see below)
 
     def owner_of(opt: torch.optim.Optimizer) -> nn.Module | None:
         params = {id(p) for g in opt.param_groups for p in g["params"]}
@@ -148,22 +149,35 @@ def flatten_state(state: dict, *, for_restore: bool = False) -> Flat:
 
     def entry(v: Any, prefix: str, parent: Any, key: Any) -> None:
         if isinstance(v, nn.Module):
-            sd = dsd.get_model_state_dict(v, options=opts)
-            flat.appliers.append(lambda v=v, sd=sd: dsd.set_model_state_dict(v, sd, options=opts))
+            try:
+                sd = dsd.get_model_state_dict(v, options=opts)
+                flat.appliers.append(lambda v=v, sd=sd: dsd.set_model_state_dict(v, sd, options=opts))
+            except (AttributeError, KeyError):
+                # state-dict hooks that rename parameters (a fused QKV projection saved as wq/wk/wv, as
+                # torchtitan's models do) defeat DCP's helper, which looks each key up as a parameter: the
+                # module's own state_dict / load_state_dict, whose hooks undo each other, are used instead
+                sd = v.state_dict()
+                flat.appliers.append(lambda v=v, sd=sd: v.load_state_dict(sd))
+                no_dsd.add(id(v))
             _walk(sd, prefix, flat, None, None, fixups, entry)
         elif isinstance(v, torch.optim.Optimizer):
             optims.append(v)
             model = None if _own_state_dict(v) else owner_of(v)
+            plain = model is not None and id(model) in no_dsd
             if model is None and not _own_state_dict(v):
                 raise StateError(
                     f"{prefix}: an optimizer in the state optimizes parameters of no module in the state: "
                     "put the model in the state too (e.g. {'model': model, 'optim': optim})")
             start = len(flat.leaves)
-            if model is not None:
-                sd = dsd.get_optimizer_state_dict(model, v, options=opts)
-                flat.appliers.append(
-                    lambda m=model, o=v, sd=sd: dsd.set_optimizer_state_dict(m, o, sd, options=opts))
-            else:
+            sd = None
+            if model is not None and not plain:
+                try:
+                    sd = dsd.get_optimizer_state_dict(model, v, options=opts)
+                    flat.appliers.append(
+                        lambda m=model, o=v, sd=sd: dsd.set_optimizer_state_dict(m, o, sd, options=opts))
+                except (AttributeError, KeyError):  # its model's parameters are renamed by hooks (see above)
+                    sd = None
+            if sd is None:
                 sd = v.state_dict()
                 flat.appliers.append(lambda v=v, sd=sd: v.load_state_dict(sd))
             _walk(sd, prefix, flat, None, None, fixups, entry)

@@ -240,3 +240,53 @@ def test_a_bytes_chunk_with_a_shape_or_offsets_is_refused_by_the_manifest_parser
                 TensorChunk("b", BYTES_DTYPE, (6,), (0,), (5,), 0, 5)]:
         with pytest.raises(ManifestError, match="bytes value"):
             bad.check("x")
+
+
+class FusedQKV(nn.Module):
+    """One fused projection saved as three (wq, wk, wv) by state-dict hooks, as torchtitan's fused attention
+    is: DCP's state-dict helper looks the saved names up as parameters and fails on it."""
+
+    def __init__(self, d: int = 8) -> None:
+        super().__init__()
+        self.d = d
+        self.wqkv = nn.Linear(d, 3 * d, bias=False)
+        self._register_state_dict_hook(FusedQKV._split)
+        self._register_load_state_dict_pre_hook(FusedQKV._fuse)
+
+    @staticmethod
+    def _split(mod, sd, prefix, local_metadata):
+        w = sd.pop(prefix + "wqkv.weight")
+        for n, part in zip("qkv", w.split(mod.d)):
+            sd[prefix + f"w{n}.weight"] = part
+        return sd
+
+    @staticmethod
+    def _fuse(sd, prefix, *args):
+        sd[prefix + "wqkv.weight"] = torch.cat([sd.pop(prefix + f"w{n}.weight") for n in "qkv"])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.wqkv(x)
+
+
+def test_a_model_whose_state_dict_hooks_rename_parameters_is_saved_through_its_own_state_dict(tmp_path):
+    from torch.distributed.checkpoint import state_dict as dsd
+
+    def build(seed: int):
+        torch.manual_seed(seed)
+        model = nn.Sequential(FusedQKV(), nn.Linear(24, 2))
+        optim = torch.optim.Adam(model.parameters(), lr=0.01)
+        model(torch.randn(3, 8)).sum().backward()
+        optim.step()
+        return {"optim": optim, "model": model}  # the optimizer first: its model is not flattened yet
+
+    saved = build(0)
+    with pytest.raises(AttributeError):
+        dsd.get_model_state_dict(saved["model"])  # what the Checkpointer no longer trips on
+    with ckpt.Checkpointer("fused", shm=str(tmp_path / "shm")) as ck:
+        ck.save(0, saved).wait()
+        target = build(5)
+        assert ck.restore(target) == 0
+    for (n, a), (m, b) in zip(saved["model"].state_dict().items(), target["model"].state_dict().items()):
+        assert n == m and torch.equal(a, b), n
+    sa, sb = saved["optim"].state_dict()["state"], target["optim"].state_dict()["state"]
+    assert all(torch.equal(sa[i][k], sb[i][k]) for i in sa for k in sa[i])
