@@ -29,6 +29,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import contextlib
 import dataclasses
+import json
 import logging
 import mmap
 import os
@@ -55,7 +56,7 @@ from tiers import keys
 from tiers.base import Tier
 from tiers.errors import ManifestError, TierError
 from tiers.layout import Layout
-from tiers.manifest import BYTES_DTYPE, JsonEntry, TensorChunk
+from tiers.manifest import BYTES_DTYPE, SPILL_BYTES, VALUES_NAME, JsonEntry, TensorChunk, parse_spilled
 
 from ._devices import DeviceAdapter, Item, make_adapter
 from . import _guard
@@ -614,6 +615,16 @@ class Checkpointer:
                                       tuple(local.shape), off, n))
             copies.append((local, off, n, leaf.guarded and self.overlap))
             off += n
+        if values:
+            blob = json.dumps(values, allow_nan=False, separators=(",", ":")).encode()
+            if len(blob) > SPILL_BYTES:
+                # too many for the manifest every node receives: into this rank's shard (tiers.manifest.SPILL_BYTES)
+                off = (off + _ALIGN - 1) // _ALIGN * _ALIGN
+                n = len(blob)
+                chunks.append(TensorChunk(VALUES_NAME, BYTES_DTYPE, (n,), (0,), (n,), off, n))
+                copies.append((torch.frombuffer(bytearray(blob), dtype=torch.uint8), off, n, False))
+                off += n
+                values = []
         layout = Layout(tuple(chunks))
         if layout == self._last_layout:
             layout = self._last_layout  # keeps its digest: computed once while the layout does not change
@@ -933,11 +944,14 @@ class Checkpointer:
         src_rank = self.rank if self.rank < plan.manifest.world else 0
         values = {e.name: e for e in plan.entries(src_rank)
                   if isinstance(e, JsonEntry) or e.dtype == BYTES_DTYPE}
+        spill = values.get(VALUES_NAME)
         for leaf in flat.leaves:
-            if leaf.tensor is None and leaf.name not in values:
+            if leaf.tensor is None and leaf.name not in values and (spill is None or isinstance(leaf.value, bytes)):
                 raise StateMismatchError(f"step {plan.step} of {plan.job!r} has no value {leaf.name}")
-        raw = self._read_values(plan, src_rank, [values[leaf.name] for leaf in flat.leaves
-                                                 if leaf.tensor is None and isinstance(leaf.value, bytes)])
+        raw = self._read_values(plan, src_rank, [values[leaf.name] for leaf in flat.leaves if leaf.tensor is None
+                                                 and isinstance(leaf.value, bytes)] + ([spill] if spill else []))
+        self._spilled(plan, values, Flat([leaf for leaf in flat.leaves if leaf.tensor is None]),
+                      raw.get(VALUES_NAME) if spill else None)
         for leaf in flat.leaves:
             if leaf.tensor is None:
                 self._fill(leaf, values[leaf.name], None, raw.get(leaf.name, b""))
@@ -1001,16 +1015,21 @@ class Checkpointer:
         """
         t0 = time.perf_counter()
         by_name, flat = self._target(plan, state, info)
-        targets: dict[int, tuple[Leaf, Any]] = {}
-        raw: list[tuple[Leaf, bytearray]] = []  # bytes values, read into buffers of their own
+        targets: dict[int, tuple[Leaf | None, Any]] = {}
+        raw: list[tuple[Leaf | None, bytearray]] = []  # bytes values (and spilled JSON), read on their own
         for leaf in flat.leaves:
-            entry = by_name[leaf.name]
+            entry = by_name.get(leaf.name)
+            if entry is None:
+                continue  # a JSON value kept in the shard: checked once read
             if leaf.tensor is not None:
                 self._check_leaf(leaf, entry)
             else:
                 self._check_value(leaf, entry)
             if isinstance(entry, TensorChunk) and entry.nbytes:
                 targets[entry.offset] = (leaf, entry)
+        spill = by_name.get(VALUES_NAME)
+        if spill is not None and spill.nbytes:
+            targets[spill.offset] = (None, spill)
         from tiers.checksum import Hasher
 
         hasher = Hasher()
@@ -1021,7 +1040,7 @@ class Checkpointer:
             leaf, entry = targets[off]
             if off > pos:
                 pieces.append((pos, memoryview(bytearray(off - pos)), None))
-            if leaf.tensor is None:
+            if leaf is None or leaf.tensor is None:
                 raw.append((leaf, bytearray(entry.nbytes)))
                 pieces.append((off, memoryview(raw[-1][1]), None))
                 pos = off + entry.nbytes
@@ -1076,7 +1095,8 @@ class Checkpointer:
                 by_device.setdefault(staged[0].device.type, []).append(staged)
         for device_type, pairs in by_device.items():
             self._device(device_type).restore(pairs)
-        got_raw = {id(leaf): bytes(b) for leaf, b in raw}
+        got_raw = {id(leaf): bytes(b) for leaf, b in raw if leaf is not None}
+        self._spilled(plan, by_name, flat, next((b for leaf, b in raw if leaf is None), None))
         with torch.no_grad():
             for leaf in flat.leaves:
                 if leaf.tensor is None:
@@ -1090,12 +1110,27 @@ class Checkpointer:
         """The shard's entries by name and the flattened state to fill; StateMismatchError if names are missing."""
         by_name = {e.name: e for e in plan.entries(info.rank)}
         flat = flatten_state(state, for_restore=True)
-        missing = [leaf.name for leaf in flat.leaves if leaf.name not in by_name]
+        spilled = VALUES_NAME in by_name  # JSON values in the shard: checked once it is read (_spilled)
+        missing = [leaf.name for leaf in flat.leaves if leaf.name not in by_name
+                   and not (spilled and leaf.tensor is None and not isinstance(leaf.value, bytes))]
         if missing:
             raise StateMismatchError(
                 f"step {plan.step} of {plan.job!r} has no {', '.join(missing[:5])}"
                 f"{' …' if len(missing) > 5 else ''}: the state does not match the checkpoint")
         return by_name, flat
+
+    @staticmethod
+    def _spilled(plan: RestorePlan, by_name: dict, flat: Flat, data: bytes | memoryview | None) -> None:
+        """Add the JSON values kept in the shard (``data``: its :data:`VALUES_NAME` chunk) to ``by_name``, and
+        raise StateMismatchError for a value of the state that neither the manifest nor the shard has."""
+        if data is not None:
+            for e in parse_spilled(data, f"values of step {plan.step} of {plan.job!r}"):
+                by_name.setdefault(e.name, e)
+        missing = [leaf.name for leaf in flat.leaves if leaf.name not in by_name]
+        if missing:
+            raise StateMismatchError(
+                f"step {plan.step} of {plan.job!r} has no {', '.join(missing[:5])}"
+                f"{' …' if len(missing) > 5 else ''}: the state does not match the checkpoint")
 
     @staticmethod
     def _check_value(leaf: Leaf, entry: Any) -> None:
@@ -1126,6 +1161,9 @@ class Checkpointer:
             warnings.simplefilter("ignore")  # a copy-on-write mapping is writable; torch cannot tell
             buf = torch.frombuffer(shard.view, dtype=torch.uint8) if info.size else torch.empty(0, dtype=torch.uint8)
         by_name, flat = self._target(plan, state, info)
+        spill = by_name.get(VALUES_NAME)
+        self._spilled(plan, by_name, flat, None if spill is None else
+                      shard.view[spill.offset: spill.offset + spill.nbytes])
         for leaf in flat.leaves:  # every mismatch is found before anything is written
             if leaf.tensor is not None:
                 self._check_leaf(leaf, by_name[leaf.name])

@@ -290,3 +290,39 @@ def test_a_model_whose_state_dict_hooks_rename_parameters_is_saved_through_its_o
         assert n == m and torch.equal(a, b), n
     sa, sb = saved["optim"].state_dict()["state"], target["optim"].state_dict()["state"]
     assert all(torch.equal(sa[i][k], sb[i][k]) for i in sa for k in sa[i])
+
+
+@pytest.mark.parametrize("path", ["memory", "disk", "s3"])
+def test_many_values_go_into_the_shard_not_the_manifest_and_come_back_from_every_tier(tmp_path, s3_bucket, path):
+    """An optimizer container saves each parameter's hyperparameters as values: thousands per rank. They go
+    into the rank's shard, so the manifest that every node receives stays small, and a restore through each
+    tier's read path (direct reads into the tensors, or a buffer) gets them back."""
+    from tiers import keys
+    from tiers.manifest import SPILL_BYTES, JsonEntry, Manifest
+
+    endpoint, bucket = s3_bucket
+    groups = {f"p{i}": {"lr": 1e-3 * i, "betas": (0.9, 0.95), "name": f"layer.{i}", "fused": None} for i in range(400)}
+    saved = {"w": torch.arange(10.0), "hp": groups, "step": 7}
+    with ckpt.Checkpointer("spill", shm=str(tmp_path / "shm"), disk=str(tmp_path / "disk"),
+                           s3=f"s3://{bucket}/ckpt", s3_endpoint=endpoint) as ck:
+        ck.save(0, saved).wait()
+        tiers = {t.name: t for t in ck.tiers()}
+        raw = tiers["memory"].get(keys.manifest_key("spill", 0))
+        m = Manifest.from_bytes(raw)
+        assert [e for e in m.shard(0).entries if isinstance(e, JsonEntry)] == []  # no value in the manifest
+        assert len(raw) < 4 * SPILL_BYTES
+        for name in ["memory", "disk", "s3"][:["memory", "disk", "s3"].index(path)]:
+            for k in tiers[name].list(keys.job_prefix("spill")):
+                tiers[name].delete(k)
+        target = {"w": torch.zeros(10), "hp": {k: {"lr": 0.0, "betas": [0, 0], "name": "", "fused": 1}
+                                               for k in groups}, "step": 0}
+        # a value of the state that the checkpoint does not have is still a mismatch, and nothing is changed
+        extra = {"w": torch.zeros(10), "hp": {"p1": {"lr": 0.0, "betas": [0, 0], "name": "", "fused": 1,
+                                                       "new": 3}}, "step": 0}
+        with pytest.raises(ckpt.StateMismatchError, match="hp/p1/new"):
+            ck.restore(extra)
+        assert torch.equal(extra["w"], torch.zeros(10)) and extra["step"] == 0
+        assert ck.restore(target) == 0
+        assert ck.last_restore.tiers == [path]
+    assert target["hp"] == groups and target["step"] == 7 and torch.equal(target["w"], saved["w"])
+    assert isinstance(target["hp"]["p3"]["betas"], tuple)

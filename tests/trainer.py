@@ -99,7 +99,10 @@ def main() -> int:
 
     model, optim = build(a.fsdp, a.width, a.gpt)
     # a bytes value of each rank (as a data loader's pickled state is): raw in the shard, restored per rank
-    state = {"model": model, "optim": optim, "progress": {"step": -1, "token": b""}}
+    # and per-parameter hyperparameters as plain values, as torchtitan's optimizer container saves them: too many
+    # for the manifest, so they travel in the shard (tiers.manifest.SPILL_BYTES), resharded restores included
+    hyper = {f"p{i}": {"lr": 1e-3, "betas": (0.9, 0.95), "rank": rank} for i in range(200)}
+    state = {"model": model, "optim": optim, "progress": {"step": -1, "token": b""}, "hyper": hyper}
     with ckpt.Checkpointer(a.job, shm=a.shm, disk=a.disk, s3=a.s3, s3_endpoint=a.s3_endpoint, every=a.every,
                            disk_every=a.disk_every, s3_every=a.s3_every, spawn=not a.no_spawn) as ck:
         last = ck.restore(state)
@@ -107,6 +110,8 @@ def main() -> int:
             assert state["progress"]["step"] == last, (state["progress"], last)
             # a resharded restore gives each rank the bytes of the same rank, or of rank 0 when there are more ranks
             assert state["progress"]["token"] in (f"{rank}:{last}".encode(), f"0:{last}".encode()), state["progress"]
+            assert state["hyper"]["p7"]["betas"] == (0.9, 0.95)
+            assert state["hyper"]["p7"]["rank"] == int(state["progress"]["token"].split(b":")[0])
             emit(restored=last, tiers=ck.last_restore.tiers)
         for step in range(0 if last is None else last + 1, a.steps):
             g = torch.Generator().manual_seed(step * 1000 + rank)

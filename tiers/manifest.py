@@ -61,6 +61,9 @@ __all__ = [
     "DTYPE_SIZES",
     "BYTES_DTYPE",
     "encode_value",
+    "VALUES_NAME",
+    "SPILL_BYTES",
+    "parse_spilled",
     "decode_value",
     "TensorChunk",
     "JsonEntry",
@@ -219,6 +222,29 @@ def decode_value(v: Any) -> Any:
     if isinstance(v, list):
         return [decode_value(x) for x in v]
     return v
+
+
+#: the name of the bytes chunk that holds a rank's JSON values when they are too many for the manifest (no
+#: leaf name can be it: a ``~`` in a saved name is always escaped)
+VALUES_NAME = "~values"
+#: a rank's JSON values above this many bytes go into its shard (:data:`VALUES_NAME`), not the manifest,
+#: so the manifest every node receives stays small whatever the state holds (an optimizer container that
+#: saves each parameter's hyperparameters as values has thousands)
+SPILL_BYTES = 4096
+
+
+def parse_spilled(data: bytes | memoryview, where: str = "values") -> list[JsonEntry]:
+    """The JSON values a :data:`VALUES_NAME` chunk holds (``[[name, value], ...]``, distinct names).
+
+    Raises ManifestError when the bytes are not that.
+    """
+    import json
+
+    try:
+        rows = json.loads(bytes(data).decode("utf-8"))
+    except (UnicodeDecodeError, ValueError) as e:
+        raise ManifestError(f"malformed {where}: not JSON ({e}): damaged") from None
+    return _values(rows, where)
 
 
 def validate_layout(entries: list[dict], size: int | None = None, where: str = "layout") -> list[Entry]:
