@@ -349,6 +349,8 @@ class Agent:
         await writer.drain()
 
     async def _op_hello(self, conn: _Conn, req: dict) -> dict:
+        if req.get("job") is not None:  # a trainer of this job, from its first request on
+            conn.jobs.add(keys.check_job(req["job"]))
         return {"version": PROTOCOL_VERSION, "pid": os.getpid(), "embedded": self.embedded,
                 "settings": self.settings.to_dict()}
 
@@ -613,7 +615,8 @@ class Agent:
         trainer uses it: another job's trainers connected to the same memory folder keep it running, and it
         exits by itself once idle. With ``if_idle`` (a job that needs other settings than this embedded
         agent's) only when, besides, nothing is being committed or written. Answers whether it is stopping."""
-        others = [c for c in self._conns if c is not conn and c.pid != conn.pid]
+        # this trainer's other connections (its lease connection) hold no other job than this one
+        others = [c for c in self._conns if c is not conn and not (c.pid == conn.pid and c.jobs <= conn.jobs)]
         if (req.get("if_alone") or req.get("if_idle")) and others:
             log.info("not stopping: %d other trainer connection(s) still use this agent", len(others))
             return {"stopping": False}

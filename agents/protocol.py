@@ -4,7 +4,7 @@ One request per line, one response per line, in order, on a connection that
 stays open for the trainer's lifetime (the agent releases a dead trainer's
 staging leases when its connection closes)::
 
-    → {"op": "hello"}
+    → {"op": "hello", "job": J}                        (``job``: optional, a trainer of J)
     ← {"ok": true, "version": 1, "settings": {...}, "pid": 123, "embedded": false}
     → {"op": "begin", "job": J, "rank": R, "world": W, "nbytes": N, "wait": true}
     ← {"ok": true, "slot": "/dev/shm/.../slot-0"}        or {"ok": true, "skip": "why"}

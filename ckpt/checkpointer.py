@@ -314,7 +314,7 @@ class Checkpointer:
             # an agent that is shutting down may accept and then drop us: try again, then start a new one
             client, started = connect_or_spawn(self.settings, spawn=spawn, idle_exit=idle_exit)
             try:
-                hello = client.call("hello")
+                hello = client.call("hello", job=self.job)
             except AgentUnreachableError:
                 client.close()
                 if attempt == 4:
