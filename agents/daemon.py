@@ -647,19 +647,25 @@ class Agent:
 
     async def _release_job(self, job: str) -> dict:
         """Free ``job``'s memory tier (steps, layouts, index, free slots) when a lower tier holds its newest
-        committed step in full; otherwise keep it and say why."""
+        committed step in full; otherwise keep its steps (only its free slots go) and say why."""
+        # nothing more is faulted in for a job that ended
+        fillers = [t for (j, _), t in self._fillers.items() if j == job]
+        for t in fillers:
+            t.cancel()
+        for t in fillers:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await t
         async with self.book.lock(job):
+            why = ""
             busy = [s for (j, s) in self.book.pending if j == job]
             busy += [s for (j, s), t in self.book.draining.items() if j == job and t]
-            if busy:
-                why = f"step(s) {sorted(set(busy))} still being committed or written"
-                log.info("%s ended: its memory tier is kept: %s", job, why)
-                return {"released": False, "bytes": 0, "why": why}
             inv = await asyncio.to_thread(scan_tier, self.memory, job)
             committed = sorted(s for s, st in inv.job(job).items() if st.committed)
-            if committed:
+            held: list[str] = []
+            if busy:
+                why = f"step(s) {sorted(set(busy))} still being committed or written"
+            elif committed:
                 newest = committed[-1]
-                held = []
                 for t in self.lower:
                     low = await asyncio.to_thread(scan_tier, t, job)
                     have = low.job(job).get(newest)
@@ -669,22 +675,37 @@ class Agent:
                 if not held:
                     why = (f"its newest step {newest} is only in memory" if self.lower
                            else "memory is its only tier")
-                    log.info("%s ended: its memory tier is kept (%s); `ckpt gc %s --all` frees it", job, why, job)
-                    return {"released": False, "bytes": 0, "why": why}
             freed = 0
-            for s, st in sorted(inv.job(job).items()):
-                freed += sum(st.shards.values()) if st.shards else 0
-                self.book.forget(job, s)
-                await asyncio.to_thread(delete_step, self.memory, job, s)
-            for k in await asyncio.to_thread(self.memory.list, keys.layouts_prefix(job)):
-                await asyncio.to_thread(self.memory.delete, k)
-            with contextlib.suppress(Exception):
-                await asyncio.to_thread(self.memory.delete, keys.index_key(job))
+            if not why:
+                freed = await asyncio.to_thread(self._unlinked_bytes, job, sorted(inv.job(job)))
+                for s in sorted(inv.job(job)):
+                    self.book.forget(job, s)
+                    await asyncio.to_thread(delete_step, self.memory, job, s)
+                for k in await asyncio.to_thread(self.memory.list, keys.layouts_prefix(job)):
+                    await asyncio.to_thread(self.memory.delete, k)
+                with contextlib.suppress(Exception):
+                    await asyncio.to_thread(self.memory.delete, keys.index_key(job))
+            # slots no retained step links to hold nothing: they go either way
             freed += await asyncio.to_thread(self.memory.drop_slots, job, self._leases | self._filling)
+        if why:
+            log.info("%s ended: its memory tier is kept (%s; %d bytes of free staging slots freed); "
+                     "`ckpt gc %s --all` frees it", job, why, freed, job)
+            return {"released": False, "bytes": freed, "why": why}
         log.info("%s ended: freed its memory tier (%d bytes)%s", job, freed,
                  f"; its newest step {committed[-1]} is in {', '.join(held)}" if committed else "")
         return {"released": True, "bytes": freed, "why": ""}
 
+    def _unlinked_bytes(self, job: str, steps: list[int]) -> int:
+        """Bytes the files of ``job``'s ``steps`` in memory free when removed: a shard that is a hard link to
+        a staging slot frees nothing until its slot goes (counted by :meth:`MemoryTier.drop_slots`)."""
+        n = 0
+        for s in steps:
+            for k in self.memory.list(keys.step_prefix(job, s)):
+                with contextlib.suppress(OSError):
+                    st = os.stat(self.memory.path(k))
+                    if st.st_nlink == 1:
+                        n += st.st_blocks * 512
+        return n
 
 def run_agent(settings: Settings, *, embedded: bool = False, idle_exit: float | None = None) -> int:
     """Run an agent in this process until it is stopped; return the exit status.

@@ -198,6 +198,10 @@ def test_the_memory_tier_stays_when_it_may_hold_the_only_copy_or_is_asked_to(tmp
         for step in range(2):
             ck.save(step, _state(step))
     assert _steps(MemoryTier(shm), "stay") == {0, 1}
+    if how != "keep_memory_after_close":
+        # the slots no kept step links to hold nothing: they are freed
+        folder = MemoryTier(shm).slot_dir("stay", 0)
+        assert sorted(os.stat(os.path.join(folder, n)).st_nlink for n in os.listdir(folder)) == [2, 2]
     said = [r.getMessage() for r in caplog.records if "memory tier stays" in r.getMessage()]
     assert said and {"memory only": "memory is its only tier", "newest step not on disk": "newest step 1 is only",
                      "keep_memory_after_close": "keep_memory_after_close"}[how] in said[0]
