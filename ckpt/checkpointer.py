@@ -582,7 +582,7 @@ class Checkpointer:
         try:
             # the training thread maps only after this task is done (``_take_prelease`` waits for it)
             self._map(r["slot"], nbytes)
-        except OSError as e:
+        except (OSError, ValueError) as e:  # removed or resized meanwhile
             log.debug("could not map the next slot ahead of time: %s", e)
             with contextlib.suppress(AgentError, AgentUnreachableError):
                 self._lease_client.call("release", slot=r["slot"])
@@ -593,7 +593,8 @@ class Checkpointer:
         if ring:
             # the ring's other slots, faulted in by the agent: mapped now, so the saves that lease them next
             # find their mappings ready; queued after this lease, so the next save does not wait for them
-            self._leaser.submit(self._map_ahead, ring, nbytes)
+            with contextlib.suppress(RuntimeError):  # closing: nothing more to map
+                self._leaser.submit(self._map_ahead, ring, nbytes)
 
     def _map_ahead(self, slots: list[str], nbytes: int) -> None:
         for slot in slots:
@@ -744,8 +745,8 @@ class Checkpointer:
 
     def _end(self) -> None:
         """Tell the agent this rank ended the job cleanly (see :meth:`close`); log what it freed."""
-        # the lease connection goes first: a slot leased ahead is given back, and the agent counts this
-        # rank's connections as ended by process
+        # a slot leased ahead goes back first, so the agent can free it with the job's other slots (it counts
+        # this rank's connections, the lease connection too, as ended by process)
         pending = self._prelease_fut
         if pending is not None:
             with contextlib.suppress(Exception):
