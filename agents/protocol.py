@@ -7,7 +7,8 @@ staging leases when its connection closes)::
     → {"op": "hello", "job": J}                        (``job``: optional, a trainer of J)
     ← {"ok": true, "version": 1, "settings": {...}, "pid": 123, "embedded": false}
     → {"op": "begin", "job": J, "rank": R, "world": W, "nbytes": N, "wait": true}
-    ← {"ok": true, "slot": "/dev/shm/.../slot-0"}        or {"ok": true, "skip": "why"}
+    ← {"ok": true, "slot": "/dev/shm/.../slot-0", "ring": [...]}        or {"ok": true, "skip": "why"}
+      (``ring``: the rank's slots already sized to N and faulted in, for the trainer to map ahead)
       (with "wait": false the agent answers at once, skipping, when no slot is free)
     → {"op": "commit", "job": J, "step": S, "rank": R, "world": W, "slot": P,
        "nbytes": N, "entries": [...], "save_index": I, "metadata": {...}, "every_tier": false}

@@ -5,15 +5,19 @@ from __future__ import annotations
 
 import logging
 import os
+import subprocess
+import sys
 import time
 
 import pytest
 import torch
+from hypothesis import given, settings as hsettings, strategies as st
 
 import ckpt
-from agents.config import Settings, SettingsConflictError
+from agents.config import Settings, SettingsConflictError, setting_conflicts
 from agents.launch import spawn_agent, wait_stopped
-from procs import kill9, start_agent
+from agents.protocol import AgentClient
+from procs import TRAINER, agent_call, env, kill9, start_agent
 from tiers import keys
 from tiers.disk import DiskTier
 from tiers.memory import MemoryTier
@@ -166,6 +170,29 @@ def test_a_job_closing_the_agent_it_started_leaves_it_to_another_job_using_it(tm
     wait_stopped(Settings.load({"shm": shm}, env={}), 60)
 
 
+_VALUES = {"disk": st.sampled_from([None, "/nvme/a", "/nvme/b", "/nvme/a/"]),
+           "s3": st.sampled_from([None, "s3://b/p", "s3://b/p/", "s3://b/q"]),
+           "disk_every": st.integers(1, 3), "keep_memory": st.integers(1, 3), "compress": st.booleans(),
+           "keep_memory_after_close": st.booleans(), "slot_wait": st.sampled_from([1.0, 300.0])}
+
+
+def _norm(name: str, v):
+    return v.rstrip("/") if isinstance(v, str) else v
+
+
+@hsettings(max_examples=200, deadline=None)
+@given(st.fixed_dictionaries({}, optional=_VALUES), st.fixed_dictionaries(_VALUES))
+def test_conflicts_name_exactly_the_given_settings_the_agent_has_otherwise(mine, theirs):
+    agent = Settings(**theirs)
+    differ = setting_conflicts(mine, agent)
+    expected = sorted(n for n, v in mine.items() if _norm(n, v) != _norm(n, theirs[n]))
+    assert sorted(d.split("=", 1)[0] for d in differ) == expected
+    for d in differ:
+        assert "(the agent: " in d
+    # how the agent was reached is never a conflict
+    assert setting_conflicts({**mine, "socket": "/tmp/x.sock"}, agent) == differ
+
+
 # ---------------------------------------------------------------------------------------- the end of a job
 def test_a_clean_end_frees_the_memory_tier_once_disk_holds_the_newest_step(tmp_path, caplog):
     shm, disk = str(tmp_path / "shm"), str(tmp_path / "disk")
@@ -235,3 +262,23 @@ def test_force_saves_a_step_every_skips_writes_it_to_every_tier_and_keeps_the_nu
     skipped = [r for r in caplog.records if "not checkpointed: every=10" in r.getMessage()]
     assert len(skipped) == 1 and "force=True" in skipped[0].getMessage()
     assert _steps(DiskTier(disk), "force") == {0, 13, 20, 40}
+
+
+def test_a_two_rank_job_that_ends_cleanly_leaves_nothing_in_memory(tmp_path):
+    """torchrun, 2 FSDP2 ranks (gloo), the embedded agent: the last rank to end frees the job's memory tier;
+    disk holds the newest step, and the agent (which outlives a multi-rank job until idle) holds no slot."""
+    shm, disk = str(tmp_path / "shm"), str(tmp_path / "disk")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", TRAINER,
+           "--fsdp", "--steps", "4", "--job", "two", "--shm", shm, "--disk", disk, "--out", str(tmp_path / "ev")]
+    try:
+        p = subprocess.run(cmd, capture_output=True, text=True, env=env(), timeout=300)
+        assert p.returncode == 0, p.stderr[-3000:]
+        assert 3 in _steps(DiskTier(disk), "two")
+        assert MemoryTier(shm).list("two/") == []
+        assert not os.path.exists(os.path.join(shm, ".slots", "two"))
+    finally:
+        c = AgentClient.try_connect(Settings(shm=shm).socket_path, timeout=5)
+        if c is not None:
+            c.close()
+            agent_call(shm, "shutdown")
+            wait_stopped(Settings(shm=shm), 60)
