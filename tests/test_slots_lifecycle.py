@@ -167,7 +167,9 @@ def test_a_job_closing_the_agent_it_started_leaves_it_to_another_job_using_it(tm
     finally:
         first.close()
         second.close()
-    wait_stopped(Settings.load({"shm": shm}, env={}), 60)
+    # neither job stops it now (the second did not start it): it would exit once idle
+    agent_call(shm, "shutdown")
+    assert wait_stopped(Settings(shm=shm), 60)
 
 
 _VALUES = {"disk": st.sampled_from([None, "/nvme/a", "/nvme/b", "/nvme/a/"]),
