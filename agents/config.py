@@ -23,7 +23,8 @@ except ModuleNotFoundError:  # Python 3.10
 
 from tiers.memory import default_shm_root
 
-__all__ = ["Settings", "SettingsError", "private_socket_folder", "socket_path_for"]
+__all__ = ["Settings", "SettingsConflictError", "SettingsError", "given_settings", "private_socket_folder",
+           "setting_conflicts", "socket_path_for"]
 
 #: longest filesystem path a Unix socket may have (``sun_path`` is 108 bytes with its NUL; kept below it)
 _MAX_SOCKET_PATH = 100
@@ -31,6 +32,10 @@ _MAX_SOCKET_PATH = 100
 
 class SettingsError(ValueError):
     """A setting has a bad value; the message names it and says what is accepted."""
+
+
+class SettingsConflictError(SettingsError):
+    """A job's own settings differ from those of the agent already running on its memory folder."""
 
 
 @dataclass
@@ -98,6 +103,10 @@ class Settings:
     tls_cert: str | None = None
     tls_key: str | None = None
     tls_ca: str | None = None
+    #: when a job ends cleanly (every trainer's Checkpointer closed without error), an agent started for it
+    #: (the embedded one) keeps the job's memory tier; by default it frees it once a lower tier holds the
+    #: newest step (it is kept, and the log says so, when memory is the only tier that holds it)
+    keep_memory_after_close: bool = False
 
     def validate(self) -> "Settings":
         for name in ("disk_every", "s3_every", "keep_memory", "keep_disk", "keep_s3"):
@@ -140,6 +149,17 @@ class Settings:
         return dataclasses.asdict(self)
 
     @classmethod
+    def from_dict(cls, values: Mapping[str, Any]) -> "Settings":
+        """Settings from :meth:`to_dict` output (an agent's, over its socket): fields this version does not
+        know are ignored; nothing is read from the environment or a config file."""
+        known = {f.name: f for f in fields(cls)}
+        out = cls()
+        for name, v in values.items():
+            if name in known:
+                setattr(out, name, _coerce(name, known[name].type, v))
+        return out.validate()
+
+    @classmethod
     def load(
         cls,
         args: Mapping[str, Any] | None = None,
@@ -147,33 +167,67 @@ class Settings:
         config_file: str | None = None,
     ) -> "Settings":
         """Merge arguments (None values ignored), ``CKPT_*`` variables and the TOML file."""
-        env = os.environ if env is None else env
-        values: dict[str, Any] = {}
-        path = config_file or env.get("CKPT_CONFIG") or ("tierckpt.toml" if os.path.exists("tierckpt.toml") else None)
-        if path:
-            try:
-                with open(path, "rb") as f:
-                    doc = tomllib.load(f)
-            except FileNotFoundError as e:
-                raise SettingsError(f"config file {path} does not exist: fix CKPT_CONFIG or create it") from e
-            except tomllib.TOMLDecodeError as e:
-                raise SettingsError(f"config file {path} is not valid TOML: {e}") from e
-            values.update(doc.get("tierckpt", doc))
-        known = {f.name: f for f in fields(cls)}
-        for name in known:
-            raw = env.get(f"CKPT_{name.upper()}")
-            if raw is not None:
-                values[name] = raw
-        for name, v in (args or {}).items():
-            if v is not None and name in known:
-                values[name] = v
-        unknown = set(values) - set(known)
-        if unknown:
-            raise SettingsError(f"unknown setting(s) {sorted(unknown)}; known: {sorted(known)}")
         out = cls()
-        for name, v in values.items():
-            setattr(out, name, _coerce(name, known[name].type, v))
+        for name, v in given_settings(args, env, config_file).items():
+            setattr(out, name, v)
         return out.validate()
+
+
+def given_settings(args: Mapping[str, Any] | None = None, env: Mapping[str, str] | None = None,
+                   config_file: str | None = None) -> dict[str, Any]:
+    """The settings given explicitly (arguments, ``CKPT_*`` variables, the TOML file; first wins), by name,
+    with their types checked; a field given nowhere is absent."""
+    env = os.environ if env is None else env
+    values: dict[str, Any] = {}
+    path = config_file or env.get("CKPT_CONFIG") or ("tierckpt.toml" if os.path.exists("tierckpt.toml") else None)
+    if path:
+        try:
+            with open(path, "rb") as f:
+                doc = tomllib.load(f)
+        except FileNotFoundError as e:
+            raise SettingsError(f"config file {path} does not exist: fix CKPT_CONFIG or create it") from e
+        except tomllib.TOMLDecodeError as e:
+            raise SettingsError(f"config file {path} is not valid TOML: {e}") from e
+        values.update(doc.get("tierckpt", doc))
+    known = {f.name: f for f in fields(Settings)}
+    for name in known:
+        raw = env.get(f"CKPT_{name.upper()}")
+        if raw is not None:
+            values[name] = raw
+    for name, v in (args or {}).items():
+        if v is not None and name in known:
+            values[name] = v
+    unknown = set(values) - set(known)
+    if unknown:
+        raise SettingsError(f"unknown setting(s) {sorted(unknown)}; known: {sorted(known)}")
+    return {name: _coerce(name, known[name].type, v) for name, v in values.items()}
+
+
+#: settings that say how to reach an agent, not how it works: never a conflict with a running one
+_REACH = ("socket",)
+
+
+def _same(name: str, a: Any, b: Any) -> bool:
+    if name in ("shm", "disk", "secret_file", "tls_cert", "tls_key", "tls_ca", "peers") and a and b:
+        if name != "peers" or os.path.exists(str(a)):
+            return os.path.realpath(str(a)) == os.path.realpath(str(b))
+    if name == "s3" and a and b:
+        return str(a).rstrip("/") == str(b).rstrip("/")
+    return a == b
+
+
+def setting_conflicts(given: Mapping[str, Any], running: Settings) -> list[str]:
+    """``name=<given> (the agent: <its value>)`` for each setting in ``given`` that the running agent has
+    otherwise (paths compared after resolving them; ``shm`` only when the agent was reached by ``socket``,
+    since otherwise its socket is found inside that very folder)."""
+    out = []
+    for name, mine in given.items():
+        if name in _REACH or (name == "shm" and not given.get("socket")):
+            continue
+        theirs = getattr(running, name, None)
+        if not _same(name, mine, theirs):
+            out.append(f"{name}={mine!r} (the agent: {theirs!r})")
+    return out
 
 
 def _coerce(name: str, typ: Any, v: Any) -> Any:

@@ -2,13 +2,16 @@
 
 Life of a step, as the agent sees it::
 
-    begin   (each rank)  lease a pre-faulted staging slot in the memory folder
+    begin   (each rank)  lease a pre-faulted staging slot in the memory folder; size and fault in the rest
+                         of the rank's ring of slots in the background (the first time, and when the size changes)
     commit  (each rank)  the slot becomes the rank's shard (a hard link); checksum it
     ── all ``world`` ranks committed ──
     manifest written to the memory tier (the step is now complete in memory)
     drain   disk every ``disk_every`` saves, S3 every ``s3_every`` saves:
             every shard first, the manifest last, in each tier
     trim    each tier keeps its newest ``keep_*`` complete steps
+    end     (each rank, at a clean close) once every trainer of the job on this node ended, an embedded
+            agent frees the job's memory tier if a lower tier holds its newest step
 
 Everything slow (checksums, copies, uploads) runs in worker threads, so the
 agent keeps answering trainers while it drains. A failure in the background is
@@ -80,6 +83,8 @@ class _Conn:
     pid: int = 0
     leases: set[str] = field(default_factory=set)
     jobs: set[str] = field(default_factory=set)
+    #: jobs this trainer ended cleanly (the ``end`` op)
+    ended: set[str] = field(default_factory=set)
 
 
 class Agent:
@@ -104,6 +109,12 @@ class Agent:
         self.book.on_commit = self.drain.committed
         self._leases: set[str] = set()
         self._lease_conn: dict[str, _Conn] = {}
+        #: free slots being sized and faulted in ahead of the saves that will lease them, and the task per
+        #: ``(job, rank)`` doing it
+        self._filling: set[str] = set()
+        self._fillers: dict[tuple[str, int], asyncio.Task] = {}
+        #: pids of the trainers that ended each job cleanly
+        self._ended: dict[str, set[int]] = {}
         self._slot_cond: asyncio.Condition | None = None
         self._conns: set[_Conn] = set()
         self._last_activity = time.monotonic()
@@ -184,6 +195,8 @@ class Agent:
                 break
             await asyncio.sleep(0.05)
         abandoned = {f"{j}/step-{s}": sorted(t) for (j, s), t in self.book.draining.items() if t}
+        for task in self._fillers.values():
+            task.cancel()
         self.drain.stop()
         if self.replicator is not None:
             self.warm.stop()
@@ -242,7 +255,7 @@ class Agent:
                 if any(st.shards.get(sh.rank) != sh.size for sh in mine):
                     continue
                 save_index = int(st.manifest.metadata.get("save_index", step))
-                for t in self.drain.targets(save_index):
+                for t in self.drain.targets(save_index, bool(st.manifest.metadata.get("every_tier"))):
                     have = lower[t.name].job(job).get(step)
                     # a node's disk holds its own ranks' shards (node-complete); the shared S3 prefix every
                     # rank's (job-complete)
@@ -336,6 +349,8 @@ class Agent:
         await writer.drain()
 
     async def _op_hello(self, conn: _Conn, req: dict) -> dict:
+        if req.get("job") is not None:  # a trainer of this job, from its first request on
+            conn.jobs.add(keys.check_job(req["job"]))
         return {"version": PROTOCOL_VERSION, "pid": os.getpid(), "embedded": self.embedded,
                 "settings": self.settings.to_dict()}
 
@@ -359,8 +374,11 @@ class Agent:
                 except BaseException:
                     self._leases.discard(slot)
                     conn.leases.discard(slot)
+                    self._lease_conn.pop(slot, None)
                     raise
-                return {"slot": slot, "errors": self.book.take_errors(job)}
+                self._fill_ahead(job, rank, nbytes)
+                return {"slot": slot, "ring": self._ready_slots(job, rank, nbytes),
+                        "errors": self.book.take_errors(job)}
             await self.drain.trim(self.memory, job, layouts=False)
             remaining = deadline - time.monotonic()
             if remaining <= 0:
@@ -381,19 +399,68 @@ class Agent:
         async with self._slot_cond:
             self._slot_cond.notify_all()
 
-    def _free_slot(self, job: str, rank: int) -> str | None:
+    @property
+    def ring(self) -> int:
+        """Staging slots per ``(job, rank)``: the ``keep_memory`` retained steps, the step being committed
+        (its manifest not yet written, so the oldest retained step is not trimmed yet) and the next save's,
+        leased right after that commit: so the next save finds a free, faulted slot without waiting."""
+        return self.settings.keep_memory + 2
+
+    def _free_slot(self, job: str, rank: int, skip: set[str] = frozenset()) -> str | None:
+        """A free slot of ``(job, rank)`` (not leased, not being filled, not in ``skip``), or the path of a new
+        one while the ring is not full; None when every slot is taken."""
         slots = self.memory.slots(job, rank)
         for p in slots:
-            if p not in self._leases and self.memory.slot_is_free(p):
+            if p not in self._leases and p not in self._filling and p not in skip and self.memory.slot_is_free(p):
                 return p
         # a new slot leased by a begin still preparing it (in a thread) is not a file yet: it counts too
         folder = self.memory.slot_dir(job, rank)
-        taken = set(slots) | {p for p in self._leases if os.path.dirname(p) == folder}
-        if len(taken) < self.settings.keep_memory + 1:
+        taken = set(slots) | {p for p in self._leases | self._filling if os.path.dirname(p) == folder}
+        if len(taken) < self.ring:
             used = {os.path.basename(p) for p in taken}
             i = next(i for i in range(len(taken) + 1) if f"slot-{i}" not in used)
             return self.memory.new_slot_path(job, rank, i)
         return None
+
+    def _ready_slots(self, job: str, rank: int, nbytes: int) -> list[str]:
+        """The slots of ``(job, rank)`` already sized to ``nbytes`` and faulted in (the trainer maps them ahead
+        of the saves that will lease them)."""
+        out = []
+        for p in self.memory.slots(job, rank):
+            if p in self._filling:
+                continue
+            with contextlib.suppress(OSError):
+                st = os.stat(p)
+                if nbytes and st.st_size == nbytes and st.st_blocks * 512 >= nbytes:
+                    out.append(p)
+        return out
+
+    def _fill_ahead(self, job: str, rank: int, nbytes: int) -> None:
+        """Size and fault in the rest of ``(job, rank)``'s ring now, in the background, so the saves after
+        this one never fault fresh memory (a copy into fresh tmpfs pages is several times slower)."""
+        key = (job, rank)
+        task = self._fillers.get(key)
+        if nbytes == 0 or (task is not None and not task.done()):
+            return
+        self._fillers[key] = asyncio.create_task(self._fill_ring(job, rank, nbytes), name=f"fill-{job}-{rank}")
+
+    async def _fill_ring(self, job: str, rank: int, nbytes: int) -> None:
+        done: set[str] = set()
+        while True:
+            slot = self._free_slot(job, rank, skip=done)
+            if slot is None:
+                return
+            self._filling.add(slot)
+            try:
+                await asyncio.to_thread(self.memory.prepare_slot, slot, nbytes)
+            except (OSError, TierError) as e:
+                # not an error of any save: a begin that needs this slot sizes it itself and reports it
+                log.warning("could not fault in a staging slot of %s rank %d ahead of time: %s", job, rank, e)
+                return
+            finally:
+                self._filling.discard(slot)
+                await self._slots_freed()
+            done.add(slot)
 
     async def _op_release(self, conn: _Conn, req: dict) -> dict:
         slot = str(req["slot"])
@@ -422,8 +489,11 @@ class Agent:
         layout, values = await self.layouts.commit(job, rank, nbytes, req)
         if not isinstance(req.get("metadata", {}), dict):
             raise RequestError("metadata must be a JSON object")
+        meta = dict(req.get("metadata") or {})
+        if req.get("every_tier"):
+            meta["every_tier"] = True  # a forced save: every lower tier, whatever disk_every and s3_every say
         row = Row(job, step, rank, world, nbytes, layout.digest, values, int(req.get("save_index", step)),
-                  req.get("metadata") or {}, self.me)
+                  meta, self.me)
         pend = self.book.admit(row, local=True)
         await asyncio.to_thread(self.memory.adopt, keys.shard_key(job, step, rank), slot)
         owner.leases.discard(slot)
@@ -541,9 +611,101 @@ class Agent:
         return {}
 
     async def _op_shutdown(self, conn: _Conn, req: dict) -> dict:
+        """Stop the agent. With ``if_alone`` (a job closing the embedded agent it started) only when no other
+        trainer uses it: another job's trainers connected to the same memory folder keep it running, and it
+        exits by itself once idle. With ``if_idle`` (a job that needs other settings than this embedded
+        agent's) only when, besides, nothing is being committed or written. Answers whether it is stopping."""
+        # this trainer's other connections (its lease connection) hold no other job than this one
+        others = [c for c in self._conns if c is not conn and not (c.pid == conn.pid and c.jobs <= conn.jobs)]
+        if (req.get("if_alone") or req.get("if_idle")) and others:
+            log.info("not stopping: %d other trainer connection(s) still use this agent", len(others))
+            return {"stopping": False}
+        if req.get("if_idle") and (self.drain.busy() or self.book.pending):
+            log.info("not stopping: steps are still being committed or written")
+            return {"stopping": False}
         self._stop.set()
-        return {}
+        return {"stopping": True}
 
+    async def _op_end(self, conn: _Conn, req: dict) -> dict:
+        """A trainer of ``job`` closed cleanly. Once every trainer of the job connected here ended it, an
+        embedded agent (one started for its job) frees the job's memory tier, unless ``keep_memory_after_close``
+        is set or no lower tier holds the job's newest step (then it says so in its log and keeps it). Answers
+        what it freed: ``{"released": bool, "bytes": N, "why": "..."}``."""
+        job = keys.check_job(req["job"])
+        conn.ended.add(job)
+        self._ended.setdefault(job, set()).add(conn.pid)
+        ended = self._ended[job]
+        if any(job in c.jobs and c.pid not in ended for c in self._conns):
+            return {"released": False, "bytes": 0, "why": "other trainers of the job are still running"}
+        del self._ended[job]
+        if not self.embedded:
+            return {"released": False, "bytes": 0, "why": "a node agent keeps what it holds (ckpt gc frees it)"}
+        if self.settings.keep_memory_after_close:
+            log.info("%s ended: its memory tier is kept (keep_memory_after_close)", job)
+            return {"released": False, "bytes": 0, "why": "keep_memory_after_close is set"}
+        return await self._release_job(job)
+
+    async def _release_job(self, job: str) -> dict:
+        """Free ``job``'s memory tier (steps, layouts, index, free slots) when a lower tier holds its newest
+        committed step in full; otherwise keep its steps (only its free slots go) and say why."""
+        # nothing more is faulted in for a job that ended
+        fillers = [t for (j, _), t in self._fillers.items() if j == job]
+        for t in fillers:
+            t.cancel()
+        for t in fillers:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await t
+        async with self.book.lock(job):
+            why = ""
+            busy = [s for (j, s) in self.book.pending if j == job]
+            busy += [s for (j, s), t in self.book.draining.items() if j == job and t]
+            inv = await asyncio.to_thread(scan_tier, self.memory, job)
+            committed = sorted(s for s, st in inv.job(job).items() if st.committed)
+            held: list[str] = []
+            if busy:
+                why = f"step(s) {sorted(set(busy))} still being committed or written"
+            elif committed:
+                newest = committed[-1]
+                for t in self.lower:
+                    low = await asyncio.to_thread(scan_tier, t, job)
+                    have = low.job(job).get(newest)
+                    if low.error is None and have is not None and (
+                            have.complete if low.shared else have.node_complete(self.me)):
+                        held.append(t.name)
+                if not held:
+                    why = (f"its newest step {newest} is only in memory" if self.lower
+                           else "memory is its only tier")
+            freed = 0
+            if not why:
+                freed = await asyncio.to_thread(self._unlinked_bytes, job, sorted(inv.job(job)))
+                for s in sorted(inv.job(job)):
+                    self.book.forget(job, s)
+                    await asyncio.to_thread(delete_step, self.memory, job, s)
+                for k in await asyncio.to_thread(self.memory.list, keys.layouts_prefix(job)):
+                    await asyncio.to_thread(self.memory.delete, k)
+                with contextlib.suppress(Exception):
+                    await asyncio.to_thread(self.memory.delete, keys.index_key(job))
+            # slots no retained step links to hold nothing: they go either way
+            freed += await asyncio.to_thread(self.memory.drop_slots, job, self._leases | self._filling)
+        if why:
+            log.info("%s ended: its memory tier is kept (%s; %d bytes of free staging slots freed); "
+                     "`ckpt gc %s --all` frees it", job, why, freed, job)
+            return {"released": False, "bytes": freed, "why": why}
+        log.info("%s ended: freed its memory tier (%d bytes)%s", job, freed,
+                 f"; its newest step {committed[-1]} is in {', '.join(held)}" if committed else "")
+        return {"released": True, "bytes": freed, "why": ""}
+
+    def _unlinked_bytes(self, job: str, steps: list[int]) -> int:
+        """Bytes the files of ``job``'s ``steps`` in memory free when removed: a shard that is a hard link to
+        a staging slot frees nothing until its slot goes (counted by :meth:`MemoryTier.drop_slots`)."""
+        n = 0
+        for s in steps:
+            for k in self.memory.list(keys.step_prefix(job, s)):
+                with contextlib.suppress(OSError):
+                    st = os.stat(self.memory.path(k))
+                    if st.st_nlink == 1:
+                        n += st.st_blocks * 512
+        return n
 
 def run_agent(settings: Settings, *, embedded: bool = False, idle_exit: float | None = None) -> int:
     """Run an agent in this process until it is stopped; return the exit status.

@@ -128,12 +128,12 @@ class Drainer:
     def queued(self) -> dict[str, int]:
         return {n: q.qsize() for n, q in self._queues.items()}
 
-    def targets(self, save_index: int) -> list[Tier]:
-        """The lower tiers the ``save_index``-th save is due in."""
+    def targets(self, save_index: int, every_tier: bool = False) -> list[Tier]:
+        """The lower tiers the ``save_index``-th save is due in (all of them for a forced save, ``every_tier``)."""
         out = []
-        if "disk" in self.tiers and save_index % self.settings.disk_every == 0:
+        if "disk" in self.tiers and (every_tier or save_index % self.settings.disk_every == 0):
             out.append(self.tiers["disk"])
-        if "s3" in self.tiers and save_index % self.settings.s3_every == 0:
+        if "s3" in self.tiers and (every_tier or save_index % self.settings.s3_every == 0):
             out.append(self.tiers["s3"])
         return out
 
@@ -145,7 +145,7 @@ class Drainer:
     async def committed(self, m: Manifest) -> None:
         """A step was committed in memory: queue the writes it is due, then apply memory's retention."""
         job, step = m.job, m.step
-        targets = self.targets(int(m.metadata.get("save_index", step)))
+        targets = self.targets(int(m.metadata.get("save_index", step)), bool(m.metadata.get("every_tier")))
         for t in targets:
             self.enqueue(t, job, step)
         if not targets:

@@ -12,7 +12,7 @@ import time
 from .config import Settings
 from .protocol import AgentClient, AgentUnreachableError
 
-__all__ = ["spawn_agent", "connect_or_spawn"]
+__all__ = ["spawn_agent", "connect_or_spawn", "wait_stopped"]
 
 
 def _private_folder(path: str) -> None:
@@ -91,3 +91,29 @@ def connect_or_spawn(settings: Settings, *, spawn: bool = True, idle_exit: float
             return client, False
         spawn_agent(settings, idle_exit=idle_exit)
     return AgentClient(settings.socket_path), True
+
+
+def wait_stopped(settings: Settings, timeout: float) -> bool:
+    """Wait up to ``timeout`` seconds until the agent of ``settings`` that was asked to stop is gone: its
+    socket no longer answers and its memory folder's lock is free, so a new agent can take the folder.
+    Returns whether it is gone."""
+    deadline = time.monotonic() + timeout
+    lock = os.path.join(settings.shm, ".agent.lock")
+    while time.monotonic() < deadline:
+        probe = AgentClient.try_connect(settings.socket_path, timeout=1)
+        if probe is not None:
+            probe.close()
+        else:
+            try:
+                fd = os.open(lock, os.O_RDONLY)
+            except FileNotFoundError:
+                return True
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return True
+            except OSError:
+                pass  # still held: the agent is finishing its stop
+            finally:
+                os.close(fd)  # closing drops the probe's lock too
+        time.sleep(0.02)
+    return False

@@ -4,19 +4,23 @@ One request per line, one response per line, in order, on a connection that
 stays open for the trainer's lifetime (the agent releases a dead trainer's
 staging leases when its connection closes)::
 
-    → {"op": "hello"}
+    → {"op": "hello", "job": J}                        (``job``: optional, a trainer of J)
     ← {"ok": true, "version": 1, "settings": {...}, "pid": 123, "embedded": false}
     → {"op": "begin", "job": J, "rank": R, "world": W, "nbytes": N, "wait": true}
-    ← {"ok": true, "slot": "/dev/shm/.../slot-0"}        or {"ok": true, "skip": "why"}
+    ← {"ok": true, "slot": "/dev/shm/.../slot-0", "ring": [...]}        or {"ok": true, "skip": "why"}
+      (``ring``: the rank's slots already sized to N and faulted in, for the trainer to map ahead)
       (with "wait": false the agent answers at once, skipping, when no slot is free)
     → {"op": "commit", "job": J, "step": S, "rank": R, "world": W, "slot": P,
-       "nbytes": N, "entries": [...], "save_index": I, "metadata": {...}}
+       "nbytes": N, "entries": [...], "save_index": I, "metadata": {...}, "every_tier": false}
+      (``every_tier``: a forced save, written to every lower tier whatever its save_index)
     ← {"ok": true, "errors": [...]}                      background errors of J, each once
     → {"op": "wait", "job": J, "step": S|null, "timeout": T}
     ← {"ok": true, "done": true, "errors": [...]}
 
 Also: ``release`` (give a lease back), ``errors``, ``list``, ``status``,
-``delete``, ``shutdown``; ``prefetch`` (the warm restore's report, waiting
+``delete``, ``shutdown`` (``if_alone``: only if no other trainer is connected; ``if_idle``: nor anything
+being written), ``end`` (``job``: this trainer closed cleanly; the last one frees an embedded agent's
+memory tier of the job, see ``keep_memory_after_close``); ``prefetch`` (the warm restore's report, waiting
 up to ``timeout`` s for it) and ``rewind`` (``job``, ``step``: the job
 resumed from ``step``, so later steps in memory are dropped), both called by
 a restore, and ``lower`` (``job``: the newest step of it that any tier could

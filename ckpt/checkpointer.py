@@ -42,8 +42,8 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from agents.config import Settings
-from agents.launch import connect_or_spawn
+from agents.config import Settings, SettingsConflictError, given_settings, setting_conflicts
+from agents.launch import connect_or_spawn, wait_stopped
 from agents.replication import placement_partners
 from agents.protocol import AgentClient, AgentError, AgentUnreachableError
 from agents.tierset import disk_tier, memory_tier, peer_tiers, s3_tier
@@ -236,8 +236,14 @@ class Checkpointer:
 
     Arguments not given come from ``CKPT_*`` variables, then the TOML config,
     then defaults (:class:`agents.config.Settings`). When an agent already runs
-    on this node's memory folder its tier settings win; when none runs one is
-    started (``spawn=True``) and stopped after the job.
+    on this node's memory folder, the settings this job did not give are that
+    agent's; a setting the job gave (argument, variable or config file) that the
+    agent has otherwise is refused, unless the agent is an embedded one that
+    another job left idle: that one is stopped and one with this job's settings
+    started. When none runs one is started (``spawn=True``) and stopped after
+    the job, once no other job uses it; a clean end frees the job's memory
+    tier when a lower tier holds its newest step (``keep_memory_after_close``
+    keeps it).
 
     ``overlap``: copy parameters and optimizer state while the next
     forward/backward runs, with every optimizer step of the process waiting
@@ -247,7 +253,8 @@ class Checkpointer:
     hand): every tensor is then copied before ``save`` returns.
 
     Raises InvalidNameError for a bad job name, AgentUnreachableError when no
-    agent runs and ``spawn`` is False.
+    agent runs and ``spawn`` is False, SettingsConflictError (a ValueError)
+    naming each setting the running agent has otherwise.
     """
 
     def __init__(
@@ -265,6 +272,7 @@ class Checkpointer:
         keep_memory: int | None = None,
         keep_disk: int | None = None,
         keep_s3: int | None = None,
+        keep_memory_after_close: bool | None = None,
         metadata: dict | None = None,
         spawn: bool = True,
         config: str | None = None,
@@ -280,34 +288,22 @@ class Checkpointer:
         self.verify = verify
         self.overlap = overlap
         args = dict(shm=shm, disk=disk, s3=s3, s3_endpoint=s3_endpoint, socket=agent, disk_every=disk_every,
-                    s3_every=s3_every, keep_memory=keep_memory, keep_disk=keep_disk, keep_s3=keep_s3)
+                    s3_every=s3_every, keep_memory=keep_memory, keep_disk=keep_disk, keep_s3=keep_s3,
+                    keep_memory_after_close=keep_memory_after_close)
+        given = given_settings(args, config_file=config)
         self.settings = Settings.load(args, config_file=config)
         if dist.is_available() and dist.is_initialized():
             self.rank, self.world = dist.get_rank(), dist.get_world_size()
         else:
             self.rank, self.world = 0, 1
         _warn_restart_store(self.rank)
-        for attempt in range(5):
-            # an agent that is shutting down may accept and then drop us: try again, then start a new one
-            self._client, self._started_agent = connect_or_spawn(self.settings, spawn=spawn, idle_exit=idle_exit)
-            try:
-                hello = self._client.call("hello")
-                break
-            except AgentUnreachableError:
-                self._client.close()
-                if attempt == 4:
-                    raise
-                time.sleep(0.2 * (attempt + 1))
-        agent_settings = Settings.load(hello["settings"], env={})
-        for name, mine in args.items():
-            theirs = getattr(agent_settings, name)
-            if mine is not None and name != "socket" and mine != theirs:
-                log.warning("the running agent uses %s=%r, not %r: its setting wins", name, theirs, mine)
-        self.settings = agent_settings
+        self._client, self._started_agent, self.settings = self._connect(given, spawn, idle_exit)
         self._pool = cf.ThreadPoolExecutor(1, thread_name_prefix="tierckpt-stage")
         self._copiers = [cf.ThreadPoolExecutor(1, thread_name_prefix=f"tierckpt-copy{i}")
                          for i in range(max(1, min(4, torch.get_num_threads())))]
         self._maps: dict[str, tuple[int, mmap.mmap, torch.Tensor | None]] = {}
+        self._map_ino: dict[str, int] = {}
+        self._map_lock = threading.Lock()
         self._devices: dict[str, DeviceAdapter] = {}
         self._inflight: SaveFuture | None = None
         #: the last layout this rank saved, and the digest of the last one the agent accepted
@@ -323,8 +319,46 @@ class Checkpointer:
         self._lease_client: AgentClient | None = None
         self.last_restore: RestoreReport | None = None
         self.skipped: list[tuple[int, str]] = []
+        self._said_every = False
         if overlap:
             self._install_hook()  # from now on it learns every optimizer that steps
+
+    def _connect(self, given: dict, spawn: bool, idle_exit: float) -> tuple[AgentClient, bool, Settings]:
+        """Connect to the node agent (starting one if allowed): ``(client, started it, its settings)``."""
+        for attempt in range(5):
+            # an agent that is shutting down may accept and then drop us: try again, then start a new one
+            client, started = connect_or_spawn(self.settings, spawn=spawn, idle_exit=idle_exit)
+            try:
+                hello = client.call("hello", job=self.job)
+            except AgentUnreachableError:
+                client.close()
+                if attempt == 4:
+                    raise
+                time.sleep(0.2 * (attempt + 1))
+                continue
+            theirs = Settings.from_dict(hello["settings"])
+            differ = setting_conflicts(given, theirs)
+            if not differ:
+                return client, started, theirs
+            if spawn and not started and hello.get("embedded") and attempt < 4:
+                # an agent another job started here and left running: when nobody uses it any more it makes
+                # way for one with this job's settings
+                try:
+                    stopping = client.call("shutdown", if_idle=True).get("stopping")
+                except (AgentError, AgentUnreachableError):
+                    stopping = False
+                if stopping:
+                    client.close()
+                    wait_stopped(theirs, theirs.grace + 10)
+                    log.info("stopped the idle embedded agent on %s: it had other settings (%s)", theirs.shm,
+                             "; ".join(differ))
+                    continue
+            client.close()
+            raise SettingsConflictError(
+                f"job {self.job!r}: the agent running on {theirs.shm} (pid {hello.get('pid')}) has other settings: "
+                f"{'; '.join(differ)}; give this job the agent's values, or a memory folder of its own (shm= or "
+                "CKPT_SHM) so it gets its own agent, or stop that agent first")
+        raise AssertionError("unreachable")
 
     # ------------------------------------------------------------------ tiers
     def tiers(self) -> list[Tier]:
@@ -402,23 +436,47 @@ class Checkpointer:
                 pass
 
     def _map(self, slot: str, nbytes: int) -> torch.Tensor | None:
-        cached = self._maps.get(slot)
-        if cached is not None and cached[0] == nbytes:
-            return cached[2]
-        if cached is not None:
-            self._unmap(cached[1], cached[2])
-        if nbytes == 0:
-            self._maps[slot] = (0, None, None)  # type: ignore[arg-type]
-            return None
-        with open(slot, "r+b") as f:
-            flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
-            mm = mmap.mmap(f.fileno(), nbytes, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
-        buf = torch.frombuffer(mm, dtype=torch.uint8)
-        self._maps[slot] = (nbytes, mm, buf)
+        """The slot's bytes, mapped once per slot file (a slot removed and made again is a new file: a mapping of
+        the old one would stage into memory nobody reads, so it is checked by inode)."""
+        ino = os.stat(slot).st_ino if nbytes else 0
+
+        def cached() -> tuple | None:
+            c = self._maps.get(slot)
+            return c if c is not None and c[0] == nbytes and self._map_ino.get(slot) == ino else None
+
+        with self._map_lock:
+            c = cached()
+        if c is not None:
+            return c[2]
+        mm = buf = None
+        if nbytes:
+            # mapped outside the lock: faulting the page tables in takes a while, and the leaser thread maps
+            # the ring's other slots while a save maps its own
+            with open(slot, "r+b") as f:
+                flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+                mm = mmap.mmap(f.fileno(), nbytes, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+            buf = torch.frombuffer(mm, dtype=torch.uint8)
+        with self._map_lock:
+            c = cached()
+            if c is not None:  # the other thread mapped it meanwhile
+                self._unmap(mm, buf)
+                return c[2]
+            old = self._maps.get(slot)
+            if old is not None:
+                self._unmap(old[1], old[2])
+            self._maps[slot] = (nbytes, mm, buf)  # type: ignore[assignment]
+            self._map_ino[slot] = ino
         return buf
 
-    def save(self, step: int, state: dict, *, metadata: dict | None = None) -> SaveFuture | None:
-        """Checkpoint ``state`` at ``step`` if ``every`` selects it; return its SaveFuture, else None.
+    def save(self, step: int, state: dict, *, metadata: dict | None = None, force: bool = False
+             ) -> SaveFuture | None:
+        """Checkpoint ``state`` at ``step`` if ``every`` selects it (``step % every == 0``), or whatever
+        ``every`` says with ``force=True``; return its SaveFuture, else None (the first step skipped this
+        way is logged once, at INFO).
+
+        Saves are numbered ``step // every``; the agent writes the saves whose number is a multiple of
+        ``disk_every`` to disk and of ``s3_every`` to S3. A forced save (a final one, say) goes to every
+        tier whatever its number, and numbers nothing: the saves after it keep theirs.
 
         Returns once the copy into host memory is under way (see the module
         docstring). Raises CheckpointError for an earlier save that failed in
@@ -429,7 +487,11 @@ class Checkpointer:
         if self._closed:
             raise RuntimeError("the Checkpointer is closed")
         self._raise_pending()
-        if step % self.every:
+        if step % self.every and not force:
+            if not self._said_every:
+                self._said_every = True
+                log.info("step %d not checkpointed: every=%d saves only steps that are multiples of %d "
+                         "(save(..., force=True) saves any step); said once", step, self.every, self.every)
             return None
         if self._inflight is not None:
             self._wait_guarded()
@@ -469,7 +531,8 @@ class Checkpointer:
                     done()
                 fut.staged_at = time.perf_counter()
                 r = self._commit(step=step, slot=slot, nbytes=total, layout=layout, values=values,
-                                 save_index=step // self.every, metadata=meta)
+                                 save_index=step // self.every, metadata=meta,
+                                 **({"every_tier": True} if force else {}))
                 self._collect(r)
                 # queued before the save is reported staged, so the next save always sees (and waits for) it
                 self._prelease_fut = self._leaser.submit(self._prelease, total)
@@ -519,7 +582,9 @@ class Checkpointer:
         return now, later, waits
 
     def _prelease(self, nbytes: int) -> None:
-        """Lease the next save's slot now, off the training thread, so ``save`` skips the round trip."""
+        """Lease the next save's slot now and map it, off the training thread, so ``save`` neither waits for
+        the agent nor faults the mapping's pages in (the agent faults the slot's memory in when it leases it,
+        and the rest of the ring in the background after the first lease)."""
         try:
             # a connection of its own: waiting here for a slot to free up never holds up a commit
             if self._lease_client is None:
@@ -529,14 +594,43 @@ class Checkpointer:
             log.debug("could not lease the next slot ahead of time: %s", e)
             return
         self._collect(r)
-        if r.get("slot"):
-            with self._lock:
-                self._next_slot = (r["slot"], nbytes)
+        if not r.get("slot"):
+            return
+        try:
+            # the training thread maps only after this task is done (``_take_prelease`` waits for it)
+            self._map(r["slot"], nbytes)
+        except (OSError, ValueError) as e:  # removed or resized meanwhile
+            log.debug("could not map the next slot ahead of time: %s", e)
+            with contextlib.suppress(AgentError, AgentUnreachableError):
+                self._lease_client.call("release", slot=r["slot"])
+            return
+        with self._lock:
+            self._next_slot = (r["slot"], nbytes)
+        ring = [p for p in r.get("ring") or [] if p != r["slot"]]
+        if ring:
+            # the ring's other slots, faulted in by the agent: mapped now, so the saves that lease them next
+            # find their mappings ready; queued after this lease, so the next save does not wait for them
+            with contextlib.suppress(RuntimeError):  # closing: nothing more to map
+                self._leaser.submit(self._map_ahead, ring, nbytes)
+
+    def _map_ahead(self, slots: list[str], nbytes: int) -> None:
+        for slot in slots:
+            if self._closed:
+                return
+            try:
+                self._map(slot, nbytes)
+            except (OSError, ValueError) as e:  # removed or resized meanwhile: mapped when it is leased
+                log.debug("could not map slot %s ahead of time: %s", slot, e)
+
+    def _lease_ahead(self, nbytes: int) -> None:
+        """Start leasing (and mapping) the slot of the next save of ``nbytes`` bytes in the background."""
+        if self._prelease_fut is None and not self._closed:
+            self._prelease_fut = self._leaser.submit(self._prelease, nbytes)
 
     def _take_prelease(self, nbytes: int) -> str | None:
         pending = self._prelease_fut
         if pending is not None:
-            pending.result()  # quick: it never waits for a slot
+            pending.result()  # done in steady state: the ring holds a free slot for it
             self._prelease_fut = None
         with self._lock:
             nxt, self._next_slot = self._next_slot, None
@@ -650,12 +744,17 @@ class Checkpointer:
         self._agent_wait(None, timeout)
 
     def close(self) -> None:
-        """Wait for outstanding saves, raise their errors once, release hooks and the agent."""
+        """Wait for outstanding saves, raise their errors once, release hooks and the agent.
+
+        A clean close (every save written, no error) also tells the agent this rank ended the job: an agent
+        started for the job frees the job's memory tier once every rank on the node ended it, if a lower tier
+        holds the newest step (see ``keep_memory_after_close``)."""
         if self._closed:
             return
         self._closed = True
         try:
             self.wait()
+            self._end()
         finally:
             if self._hook is not None:
                 self._hook.remove()
@@ -668,21 +767,39 @@ class Checkpointer:
                 self._lease_client.close()
             if self._started_agent and self.world == 1:
                 try:
-                    self._client.call("shutdown")
-                    # the agent answers before it stops: wait until it is gone so a new one can start cleanly
-                    deadline = time.monotonic() + self.settings.grace + 5
-                    while time.monotonic() < deadline:
-                        probe = AgentClient.try_connect(self.settings.socket_path, timeout=1)
-                        if probe is None:
-                            break
-                        probe.close()
-                        time.sleep(0.02)
+                    # another job may have connected to the agent this one started: it keeps it running
+                    if self._client.call("shutdown", if_alone=True).get("stopping", True):
+                        # the agent answers before it stops: wait until it is gone so a new one can start cleanly
+                        wait_stopped(self.settings, self.settings.grace + 5)
                 except (AgentError, AgentUnreachableError):
                     pass
             self._client.close()
             for _, mm, buf in self._maps.values():
                 self._unmap(mm, buf)
             self._maps.clear()
+
+    def _end(self) -> None:
+        """Tell the agent this rank ended the job cleanly (see :meth:`close`); log what it freed."""
+        # a slot leased ahead goes back first, so the agent can free it with the job's other slots (it counts
+        # this rank's connections, the lease connection too, as ended by process)
+        pending = self._prelease_fut
+        if pending is not None:
+            with contextlib.suppress(Exception):
+                pending.result()
+            self._prelease_fut = None
+        with self._lock:
+            nxt, self._next_slot = self._next_slot, None
+        try:
+            if nxt is not None:
+                self._client.call("release", slot=nxt[0])
+            r = self._client.call("end", job=self.job, rank=self.rank)
+        except (AgentError, AgentUnreachableError) as e:  # an agent of an earlier version: nothing is freed
+            log.debug("the agent did not take the end of the job: %s", e)
+            return
+        if r.get("released"):
+            log.info("the agent freed %s's memory tier (%d bytes)", self.job, r.get("bytes", 0))
+        elif r.get("why"):
+            log.info("%s's memory tier stays: %s", self.job, r["why"])
 
     def __enter__(self) -> "Checkpointer":
         return self
@@ -828,6 +945,9 @@ class Checkpointer:
             log.warning("restored step %d of %s without looking in tier(s) that could not be reached, which may "
                         "hold a newer step: %s", agreed, self.job, "; ".join(down))
         self.last_restore = RestoreReport(agreed, reports, time.perf_counter() - t0, passed_over, down)
+        if used is not None and used.world == self.world:
+            # the next save stages as many bytes as this shard holds: its slot is leased and faulted in now
+            self._lease_ahead(used.shard(self.rank).size)
         log.info("rank %d restored %s step %d from %s in %.3f s", self.rank, self.job, agreed,
                  ", ".join(sorted({r.tier for r in reports})) or "nowhere", self.last_restore.seconds)
         return agreed

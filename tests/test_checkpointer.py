@@ -74,7 +74,10 @@ def _equal(a: dict, b: dict) -> None:
 
 def test_round_trip_is_bit_exact_for_every_kind_of_state(tmp_path):
     saved = _state(1)
-    with ckpt.Checkpointer("rt", shm=str(tmp_path / "shm"), disk=str(tmp_path / "disk")) as ck:
+    # the memory tier outlives the job that wrote it only when asked to (by default a lower tier holding the
+    # newest step frees it at the job's clean end: tests/test_slots_lifecycle.py)
+    with ckpt.Checkpointer("rt", shm=str(tmp_path / "shm"), disk=str(tmp_path / "disk"),
+                           keep_memory_after_close=True) as ck:
         assert ck.restore(_state(9)) is None
         fut = ck.save(5, saved)
         fut.wait()

@@ -210,7 +210,8 @@ def test_an_agent_that_never_saw_the_job_looks_in_s3(tmp_path, s3_bucket):
 def _saved_job(tmp_path, steps=3) -> tuple[str, str]:
     shm, disk = str(tmp_path / "shm"), str(tmp_path / "disk")
     state = _model_state()
-    with ckpt.Checkpointer("job1", shm=shm, disk=disk) as ck:
+    # the job's memory tier stays after it ends, so the tests can damage its copies there too
+    with ckpt.Checkpointer("job1", shm=shm, disk=disk, keep_memory_after_close=True) as ck:
         for s in range(steps):
             ck.save(s, state)
     return shm, disk

@@ -74,7 +74,8 @@ def test_resume_after_kill9_is_bit_exact_and_uses_fastest_surviving_tier(tmp_pat
 def test_flipped_byte_in_memory_shard_is_detected_and_disk_copy_is_read(tmp_path, reference):
     shm, disk = str(tmp_path / "shm"), str(tmp_path / "disk")
     args = ["--job", "flip", "--shm", shm, "--disk", disk, "--out", str(tmp_path / "ev")]
-    run_trainer(*args, "--steps", str(HANG + 1))
+    # the finished run's memory tier stays, so its damaged shard is the first place the restore reads
+    run_trainer(*args, "--steps", str(HANG + 1), "--keep-memory")
     shard = os.path.join(shm, "flip", f"step-{HANG}", "rank-0.shard")
     with open(shard, "r+b") as f:
         f.seek(100)
@@ -172,10 +173,11 @@ def test_resharded_restore_reads_a_shard_left_only_in_s3(tmp_path, s3_bucket):
     def torchrun(n: int, dump: str) -> None:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(n),
                TRAINER, "--fsdp", "--gpt", "--steps", "4", "--job", "reshs3", "--shm", shm, *s3,
-               "--out", str(tmp_path / f"ev{n}"), "--dump", dump, "--full"]
+               "--out", str(tmp_path / f"ev{n}"), "--dump", dump, "--full", "--keep-memory"]
         p = subprocess.run(cmd, capture_output=True, text=True, env=env(), timeout=300)
         assert p.returncode == 0, p.stderr[-3000:]
 
+    # the 2-rank run's memory tier stays after it ends (--keep-memory), less the shard removed here
     torchrun(2, str(tmp_path / "before"))
     os.unlink(os.path.join(shm, "reshs3", "step-3", "rank-1.shard"))
     torchrun(1, str(tmp_path / "after"))

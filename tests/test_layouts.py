@@ -222,14 +222,15 @@ def test_layouts_no_retained_step_names_are_removed_after_the_grace(tmp_path):
 def test_restore_reads_a_layout_from_the_next_tier_when_the_first_copy_is_damaged(tmp_path):
     shm, disk = str(tmp_path / "shm"), str(tmp_path / "disk")
     state = {"w": torch.arange(64.0)}
-    with ckpt.Checkpointer("dl", shm=shm, disk=disk) as ck:
+    # the job's memory tier stays after each run, so its damaged copy is there to fall back from
+    with ckpt.Checkpointer("dl", shm=shm, disk=disk, keep_memory_after_close=True) as ck:
         ck.save(4, state).wait()
         digest = ck._layout_sent
     path = os.path.join(shm, keys.layout_key("dl", digest))
     data = open(path, "rb").read()
     open(path, "wb").write(data[: len(data) // 2])  # cut short
     target = {"w": torch.zeros(64)}
-    with ckpt.Checkpointer("dl", shm=shm, disk=disk) as ck:
+    with ckpt.Checkpointer("dl", shm=shm, disk=disk, keep_memory_after_close=True) as ck:
         assert ck.restore(target) == 4
     assert torch.equal(target["w"], state["w"])
     os.unlink(os.path.join(disk, keys.layout_key("dl", digest)))

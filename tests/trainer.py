@@ -81,6 +81,8 @@ def main() -> int:
     p.add_argument("--fsdp", action="store_true")
     p.add_argument("--width", type=int, default=64)
     p.add_argument("--no-spawn", action="store_true", help="use the running agent; never start one")
+    p.add_argument("--keep-memory", action="store_true",
+                   help="keep the job's memory tier when it ends cleanly (keep_memory_after_close)")
     p.add_argument("--out")
     p.add_argument("--dump", help="at the end, torch.save this rank's parameters and optimizer state here")
     p.add_argument("--gpt", action="store_true", help="train TinyGPT on token batches")
@@ -104,7 +106,8 @@ def main() -> int:
     hyper = {f"p{i}": {"lr": 1e-3, "betas": (0.9, 0.95), "rank": rank} for i in range(200)}
     state = {"model": model, "optim": optim, "progress": {"step": -1, "token": b""}, "hyper": hyper}
     with ckpt.Checkpointer(a.job, shm=a.shm, disk=a.disk, s3=a.s3, s3_endpoint=a.s3_endpoint, every=a.every,
-                           disk_every=a.disk_every, s3_every=a.s3_every, spawn=not a.no_spawn) as ck:
+                           disk_every=a.disk_every, s3_every=a.s3_every, spawn=not a.no_spawn,
+                           keep_memory_after_close=True if a.keep_memory else None) as ck:
         last = ck.restore(state)
         if last is not None:
             assert state["progress"]["step"] == last, (state["progress"], last)

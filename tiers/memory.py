@@ -97,14 +97,31 @@ class MemoryTier(FolderTier):
             raise KeyNotFoundError(errno.ENOENT, f"staging slot {slot} is gone") from e
         os.rename(tmp, path)
 
-    def drop_slots(self, job: str) -> None:
-        """Remove every free slot of ``job`` (used by gc)."""
+    def drop_slots(self, job: str, busy: "set[str] | frozenset[str]" = frozenset()) -> int:
+        """Remove every free slot of ``job`` (none in ``busy``: slots leased to a trainer) and the folders
+        left empty; return the bytes freed (used by gc and by an agent whose job ended)."""
         base = os.path.join(self.root, ".slots", check_job(job))
         if not os.path.isdir(base):
-            return
+            return 0
+        freed = 0
         for rank_dir in os.listdir(base):
             d = os.path.join(base, rank_dir)
             for n in os.listdir(d):
                 p = os.path.join(d, n)
-                if self.slot_is_free(p):
+                if p in busy or not self.slot_is_free(p):
+                    continue
+                try:
+                    st = os.stat(p)
                     os.unlink(p)
+                except FileNotFoundError:
+                    continue
+                freed += st.st_blocks * 512
+            try:
+                os.rmdir(d)
+            except OSError:
+                pass  # a slot is still in use
+        try:
+            os.rmdir(base)
+        except OSError:
+            pass
+        return freed
