@@ -62,7 +62,7 @@ from ._tensors import dtype_name
 __all__ = ["DcpWriter", "DcpStager", "DcpReader", "step_of"]
 
 _ALIGN = 64
-_STEP_RE = re.compile(r"^(?:step[-_])?(\d+)$")
+_STEP_RE = re.compile(r"^(?:step[-_])?([0-9]+)$")
 
 
 def _aligned(n: int) -> int:
@@ -78,7 +78,7 @@ def step_of(checkpoint_id: Any) -> int:
         last = os.path.basename(os.fspath(checkpoint_id).rstrip("/"))
         m = _STEP_RE.match(last)
         if m:
-            return int(m.group(1))
+            return keys.check_step(int(m.group(1)))
     raise ValueError(f"checkpoint_id {checkpoint_id!r} names no step: pass an int step, or a path whose last "
                      "component is 'step-N' or 'N' (the job is the one given to the writer or reader)")
 
