@@ -440,3 +440,28 @@ def test_hf_llama_fsdp2_async_save_kill9_and_dcp_load_resume_bit_exact(tmp_path)
         for k in want:
             assert torch.equal(got[k], want[k]), f"{dump.name}: {k} differs"
     assert [e["restored"] for e in read_events(f"{tmp_path / 'one'}.0") if "restored" in e] == [STEPS - 1]
+
+
+@pytest.mark.e2e
+def test_rank_with_an_empty_plan_after_dedup_still_commits_so_the_step_completes(tmp_path):
+    """A state replicated on 2 ranks: DCP's dedup writes it on one rank; the other commits an empty shard, the
+    step's manifest is built, and both ranks load it (through dcp.save and through dcp.async_save + stager)."""
+    shm = str(tmp_path / "shm")
+    agent = start_agent(shm)
+    try:
+        p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                            os.path.join(HERE, "dcp_dedup_job.py"), "--job", "dedup", "--shm", shm],
+                           capture_output=True, text=True, env=env(), timeout=600)
+    finally:
+        agent.terminate()
+        agent.wait(60)
+    assert p.returncode == 0, p.stderr[-3000:]
+    loaded = sorted(line for line in p.stdout.splitlines() if line.startswith("LOADED"))
+    assert loaded == [f"LOADED {s} {r} True" for s in (1, 2) for r in (0, 1)]
+    for step in (1, 2):
+        folder = os.path.join(shm, "dedup", f"step-{step}")
+        assert os.path.exists(os.path.join(folder, "manifest.json"))
+        assert sorted(os.listdir(folder)) == ["manifest.json", "rank-0.shard", "rank-1.shard"]
+    # step 1 (no stager): one rank wrote the tensor, the other an empty shard
+    sizes = sorted(os.path.getsize(os.path.join(shm, "dedup", "step-1", f"rank-{r}.shard")) for r in (0, 1))
+    assert sizes[0] == 0 and sizes[1] >= 40
