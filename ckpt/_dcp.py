@@ -33,9 +33,11 @@ from __future__ import annotations
 import concurrent.futures as cf
 import copy
 import io
+import logging
 import os
 import re
 import threading
+import time
 from dataclasses import dataclass, field
 from collections.abc import Mapping
 from typing import Any
@@ -61,6 +63,7 @@ from ._tensors import dtype_name
 
 __all__ = ["DcpWriter", "DcpStager", "DcpReader", "step_of"]
 
+log = logging.getLogger("tierckpt")
 _ALIGN = 64
 _STEP_RE = re.compile(r"^(?:step[-_])?([0-9]+)$")
 
@@ -108,7 +111,7 @@ class _Staged:
     total: int
     room: int  # where the room reserved for values DCP serialises begins
     done: cf.Future = field(default_factory=cf.Future)  # set when every copy into the slot is done
-    tensor_ids: set = field(default_factory=set)
+    leased: bool = True  # the slot is still this save's to commit or release
 
     def holds(self, t: torch.Tensor) -> bool:
         return self.buf is not None and t.is_cpu and t.numel() > 0 \
@@ -191,7 +194,9 @@ class DcpWriter(StorageWriter):
         self.job = self.ck.job
         self.step: int | None = None
         self._staged: list[_Staged] = []
+        self._writing = 0  # write_data calls under way
         self._lock = threading.Lock()
+        self._idle = threading.Condition(self._lock)  # notified when a staged save is written or dropped
 
     # -------------------------------------------------------------- DCP's calls
     def reset(self, checkpoint_id: Any = None) -> None:
@@ -220,14 +225,26 @@ class DcpWriter(StorageWriter):
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> torch.futures.Future:
         step = self.step
         assert step is not None  # set_up_storage_writer checked it
-        staged = self._take_staged(planner)
+        with self._lock:
+            self._writing += 1
         try:
-            results = self._write(step, plan, planner, staged)
-        except AgentError as e:
-            from .checkpointer import CheckpointError
+            staged = self._take_staged(planner)
+            try:
+                self.ck._raise_pending()
+                results = self._write(step, plan, planner, staged)
+            except AgentError as e:
+                from .checkpointer import CheckpointError
 
-            raise CheckpointError(f"step {step} of {self.job!r}: the node agent refused the save ({e.kind}: "
-                                  f"{e})") from e
+                raise CheckpointError(f"step {step} of {self.job!r}: the node agent refused the save ({e.kind}: "
+                                      f"{e})") from e
+            except BaseException:
+                if staged is not None and staged.leased:
+                    self._release(staged.slot)
+                raise
+        finally:
+            with self._idle:
+                self._writing -= 1
+                self._idle.notify_all()
         fut: torch.futures.Future = torch.futures.Future()
         fut.set_result(results)
         return fut
@@ -241,12 +258,19 @@ class DcpWriter(StorageWriter):
         self._wait_copies()
         self.ck.wait(timeout)
 
-    def close(self) -> None:
-        """Release slots staged but never written, and close the Checkpointer if this writer opened it."""
-        self._wait_copies()
-        with self._lock:
+    def close(self, timeout: float = 60.0) -> None:
+        """Wait for the saves under way (staged by the stager, or being written) to be committed, up to ``timeout``
+        seconds for those DCP has not started writing; release what is left; close the Checkpointer if this
+        writer opened it. Call it once the last ``async_save``'s future is done, as DCP asks of a stager."""
+        deadline = time.monotonic() + timeout
+        with self._idle:
+            while self._writing or (self._staged and time.monotonic() < deadline):
+                self._idle.wait(max(0.0, min(1.0, deadline - time.monotonic())) if not self._writing else 1.0)
             left, self._staged = self._staged, []
+        if left:
+            log.warning("closing with %d staged save(s) of %s that DCP never wrote: released", len(left), self.job)
         for st in left:
+            self._wait_copy(st)
             self._release(st.slot)
         if self._owns:
             self.ck.close()
@@ -288,10 +312,14 @@ class DcpWriter(StorageWriter):
         with self._lock:
             pending = list(self._staged)
         for st in pending:
-            try:
-                st.done.result()
-            except Exception:
-                pass  # raised by the write that takes it
+            self._wait_copy(st)
+
+    @staticmethod
+    def _wait_copy(st: _Staged) -> None:
+        try:
+            st.done.result()
+        except Exception:
+            pass  # raised by the write that takes it
 
     def _stage(self, state_dict: dict) -> dict:
         """Lease a slot, lay out ``state_dict``'s tensors in it, copy them (guarded ones in the background);
@@ -429,11 +457,7 @@ class DcpWriter(StorageWriter):
             else:
                 extra.append((item, t, n))
         if st is not None:
-            try:
-                st.done.result()  # every staged copy is in the slot
-            except BaseException:
-                self._release(st.slot)
-                raise
+            st.done.result()  # every staged copy is in the slot
         room = st.room if st is not None else 0
         need = sum(_aligned(n) for _, _, n in extra)
         if st is not None and room + need <= st.total:
@@ -444,6 +468,7 @@ class DcpWriter(StorageWriter):
             kept = [(c, st.buf[c.offset:c.offset + c.nbytes].clone()) for c in chunks] if st is not None else []
             if st is not None:
                 self._release(st.slot)
+                st.leased = False
             total = sum(_aligned(c.nbytes) for c in chunks) + need
             slot = self._lease(total)
             try:
@@ -478,10 +503,16 @@ class DcpWriter(StorageWriter):
                            metadata=dict(ck.metadata))
         except BaseException:
             self._release(slot)
+            if st is not None:
+                st.leased = False
             raise
+        if st is not None:
+            st.leased = False  # the agent's now: the step's shard
         ck._collect(r)
-        ck._raise_pending()
-        ck._prelease_fut = ck._leaser.submit(ck._prelease, total)
+        try:
+            ck._prelease_fut = ck._leaser.submit(ck._prelease, total)
+        except RuntimeError:
+            pass  # the Checkpointer is closing: no next save to lease for
         return [WriteResult(index=item.index, size_in_bytes=0, storage_data=None) for item in plan.items]
 
     @staticmethod
@@ -630,9 +661,7 @@ class DcpReader(StorageReader):
             try:
                 ck._client.call("rewind", job=self.job, step=agreed)
             except AgentError as e:
-                import logging
-
-                logging.getLogger("tierckpt").warning("the agent could not drop steps after %d: %s", agreed, e)
+                log.warning("the agent could not drop steps after %d: %s", agreed, e)
         self._inner = PlanReader(plan, verify=self.verify, values=True)
 
     def _plan(self, invs: list, step: int, costs: Any, far: bool) -> RestorePlan:

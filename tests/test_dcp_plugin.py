@@ -15,6 +15,7 @@ import subprocess
 import sys
 import threading
 import time
+from typing import Any
 
 import pytest
 import torch
@@ -302,24 +303,41 @@ class TrainState(Stateful):
         self.step = int(sd["step"])
 
 
-def _titan_state(seed: int) -> tuple[dict, torch.nn.Module, OptimizersContainer]:
+def _titan_state(seed: int, kind: str = "shaped") -> tuple[dict, torch.nn.Module, Any]:
+    """torchtitan's checkpoint state: our look-alikes (``shaped``), or torchtitan's own ModelWrapper and
+    OptimizersContainer (``torchtitan``)."""
     torch.manual_seed(seed)
     model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 8))
-    optims = OptimizersContainer(model)
-    state = {"model": ModelWrapper(model), "optimizer": optims, "lr_scheduler": Schedulers(optims),
+    if kind == "torchtitan":
+        from torchtitan.components.checkpoint import ModelWrapper as TitanModelWrapper
+        from torchtitan.components.optimizer import OptimizersContainer as TitanOptimizers
+        from torchtitan.components.optimizer.optimizer import ParamGroupConfig
+
+        group = ParamGroupConfig(pattern=".*", optimizer_name="AdamW",
+                                 optimizer_kwargs={"lr": 1e-2, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1})
+        optims = TitanOptimizers(TitanOptimizers.Config(implementation="for-loop", param_groups=[group]),
+                                 model_parts=[model])
+        wrapper: Stateful = TitanModelWrapper(model)
+    else:
+        optims = OptimizersContainer(model)
+        wrapper = ModelWrapper(model)
+    state = {"model": wrapper, "optimizer": optims, "lr_scheduler": Schedulers(optims),
              "dataloader": DataLoader(), "train_state": TrainState()}
     return state, model, optims
 
 
-def _train_step(model: torch.nn.Module, optims: OptimizersContainer, step: int) -> None:
+def _train_step(model: torch.nn.Module, optims: Any, step: int) -> None:
     g = torch.Generator().manual_seed(step)
     model(torch.randn(16, 64, generator=g)).square().mean().backward()
     optims.step()
     optims.zero_grad()
 
 
-def test_async_save_copy_overlaps_and_the_optimizer_step_waits_for_it_torchtitan_shaped(tmp_path):
-    state, model, optims = _titan_state(0)
+@pytest.mark.parametrize("kind", ["shaped", "torchtitan"])
+def test_async_save_copy_overlaps_and_the_optimizer_step_waits_for_it_torchtitan_state(tmp_path, kind):
+    if kind == "torchtitan":
+        pytest.importorskip("torchtitan")
+    state, model, optims = _titan_state(0, kind)
     with ckpt.DcpWriter("titan", shm=str(tmp_path / "shm")) as w:
         stager = ckpt.DcpStager(w)
         _train_step(model, optims, 0)  # the optimizer has stepped: its tensors are copied in the background
@@ -342,35 +360,45 @@ def test_async_save_copy_overlaps_and_the_optimizer_step_waits_for_it_torchtitan
         ck._hook.remove()  # the hook calls the bound method it was given: register the noted one
         ck._hook = None
         ck._install_hook()
-        before = {k: v.clone() for k, v in model.state_dict().items()}
-        fut = dcp.async_save(state, storage_writer=w, async_stager=stager, checkpoint_id=1)
-        # save returned while the parameters and optimizer state are still being copied
-        assert copying.wait(60)
-        assert not fut.done()
-        stepped = threading.Event()
+        try:
+            before = {k: v.clone() for k, v in model.state_dict().items()}
+            inner = optims.optimizers[0]
+            opt_before = [{k: v.clone() for k, v in inner.state[p].items()} for p in model.parameters()]
+            fut = dcp.async_save(state, storage_writer=w, async_stager=stager, checkpoint_id=1)
+            # save returned while the parameters and optimizer state are still being copied
+            assert copying.wait(60)
+            assert not fut.done()
+            stepped = threading.Event()
 
-        def step() -> None:
-            _train_step(model, optims, 1)
-            stepped.set()
+            def step() -> None:
+                _train_step(model, optims, 1)
+                stepped.set()
 
-        t = threading.Thread(target=step)
-        t.start()
-        assert waiting.wait(60)  # the optimizer step reached the hook ...
-        assert not stepped.is_set()  # ... and waits there: no parameter has changed
-        for k, v in model.state_dict().items():
-            assert torch.equal(v, before[k]), k
-        release.set()
-        t.join(120)
-        assert stepped.is_set()
-        fut.result(120)
+            t = threading.Thread(target=step)
+            t.start()
+            assert waiting.wait(60)  # the optimizer step reached the hook ...
+            t.join(2)  # (time enough for a step that did not wait to end: this test would then fail below)
+            assert not stepped.is_set()  # ... and waits there: no parameter has changed
+            for k, v in model.state_dict().items():
+                assert torch.equal(v, before[k]), k
+            release.set()
+            t.join(120)
+            assert stepped.is_set()
+            fut.result(120)
+        finally:
+            release.set()  # a failed check must not leave the copy (and close) waiting
         assert any(not torch.equal(v, before[k]) for k, v in model.state_dict().items())
         w.wait()
-        restored, m2, o2 = _titan_state(5)
+        restored, m2, o2 = _titan_state(5, kind)
         _train_step(m2, o2, 9)  # optimizer state to load into
         dcp.load(restored, storage_reader=w.reader(rewind=False))
     # the checkpoint holds the parameters as they were when save was called, not the next step's
     for k, v in m2.state_dict().items():
         assert torch.equal(v, before[k]), k
+    for p, want in zip(m2.parameters(), opt_before):
+        got = o2.optimizers[0].state[p]
+        for k, v in want.items():
+            assert torch.equal(got[k], v), k
     assert restored["dataloader"].pos == 17 and restored["train_state"].step == 1
     assert restored["optimizer"].optimizers[0].param_groups[0]["betas"] == (0.9, 0.95)
 
@@ -465,3 +493,19 @@ def test_rank_with_an_empty_plan_after_dedup_still_commits_so_the_step_completes
     # step 1 (no stager): one rank wrote the tensor, the other an empty shard
     sizes = sorted(os.path.getsize(os.path.join(shm, "dedup", "step-1", f"rank-{r}.shard")) for r in (0, 1))
     assert sizes[0] == 0 and sizes[1] >= 40
+
+
+def test_closing_the_writer_right_after_async_save_commits_the_save_first(tmp_path):
+    # closing shut the Checkpointer down under DCP's upload thread, which was still writing: the save failed
+    shm = str(tmp_path / "shm")
+    for step in range(3):
+        model = torch.nn.Linear(256, 256)
+        sd = {"m": model.state_dict(), "blob": b"y" * 50_000}
+        w = ckpt.DcpWriter("closing", shm=shm)
+        fut = dcp.async_save(sd, storage_writer=w, async_stager=ckpt.DcpStager(w), checkpoint_id=step)
+        w.close()
+        fut.result(120)
+        with ckpt.DcpReader("closing", shm=shm, rewind=False) as r:
+            got = {"m": torch.nn.Linear(256, 256).state_dict(), "blob": b""}
+            dcp.load(got, storage_reader=r, checkpoint_id=step)
+        assert torch.equal(got["m"]["weight"], sd["m"]["weight"]) and got["blob"] == sd["blob"]
