@@ -620,13 +620,16 @@ class DcpReader(StorageReader):
         """(inventories, complete steps, whether S3 is still unlisted): memory, peers and disk, then S3 when
         ``step`` is not there or S3 may hold a newer one."""
         ck = self.ck
+        # complete for this rank's own shard, as Checkpointer.restore counts: the shards of other nodes' ranks that
+        # DCP may also need are looked for when the step is planned (other nodes' memory, then S3)
+        mine = [ck.rank]
         invs = scan_tiers(ck._near_tiers(), self.job)
-        steps = complete_steps(invs, self.job)
+        steps = complete_steps(invs, self.job, mine)
         far = ck.settings.s3 is not None
         if far and ((step is not None and step not in steps)
                     or (step is None and ck._far_may_be_newer(steps[-1] if steps else -1))):
             invs = invs + scan_tiers(ck._far_tiers(), self.job)
-            steps = complete_steps(invs, self.job)
+            steps = complete_steps(invs, self.job, mine)
             far = False
         return invs, steps, far
 
