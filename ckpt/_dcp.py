@@ -376,8 +376,9 @@ class DcpWriter(StorageWriter):
                 if hasattr(t, "placements"):
                     from torch.distributed.tensor import DTensor
 
-                    v = DTensor.from_local(v, t.device_mesh, t.placements, run_check=False, shape=t.shape,
-                                           stride=t.stride())
+                    # the same mesh, placements, shape and stride around the slot view (DCP's own transport builds
+                    # DTensors this way); from_local would move a host view back to a CUDA mesh's device
+                    v = DTensor(v, t._spec, requires_grad=False)
                 views[id(t)] = v
         except BaseException:
             self._release(slot)

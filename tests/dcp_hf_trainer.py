@@ -6,9 +6,10 @@ one ``Stateful`` (PyTorch's recipe: ``get_state_dict`` / ``set_state_dict`` over
 optimizer) plus a data loader position kept as ``bytes``; it is saved every step with ``dcp.async_save``
 (``DcpWriter`` + ``DcpStager``, on a gloo group of its own) and resumed with ``dcp.load`` (``DcpReader``).
 Each step's batch depends only on the step and rank, so a resumed run's losses must equal an
-uninterrupted run's. One JSON line per event goes to ``--out``.<rank>: ``{"restored": step, "tiers": [...]}``
-and ``{"step": s, "loss": "<float.hex>"}``; ``SAVED <step>`` is printed once ``--hang-after``'s save is
-committed on every rank (tests kill the job after it).
+uninterrupted run's. One JSON line per event goes to ``--out``.<rank>: ``{"restored": step, "tiers": [...]}``,
+``{"step": s, "loss": "<float.hex>"}``, and at the end ``{"saves": n, "leases": n}`` (slots leased).
+``SAVED <step>`` is printed once ``--hang-after``'s save is committed on every rank (tests kill the job
+after it).
 
     torchrun --nproc-per-node 2 tests/dcp_hf_trainer.py --job J --shm DIR --steps N [--hang-after S]
     python tests/dcp_hf_trainer.py --job J --shm DIR --load-only --dump FILE   # one rank, resharded
@@ -116,6 +117,9 @@ def main() -> int:
     loader = Loader()
     state = {"app": AppState(model, optim), "loader": loader}
     writer = ckpt.DcpWriter(a.job, shm=a.shm, spawn=not a.no_spawn)
+    leases: list[int] = []  # slots leased: one per save when the stager's slot takes every byte of it
+    lease = writer._lease
+    writer._lease = lambda nbytes: (leases.append(nbytes), lease(nbytes))[1]
     stager = ckpt.DcpStager(writer)
     reader = writer.reader()
     last = reader.latest_step()
@@ -129,6 +133,7 @@ def main() -> int:
         return 0
     save_group = dist.new_group(backend="gloo")  # DCP's upload thread talks on a group of its own
     pending = None
+    saves = 0
     for step in range(loader.next_step, a.steps):
         g = torch.Generator().manual_seed(step * 1000 + rank)
         tokens = torch.randint(0, VOCAB, (4, 17), generator=g)
@@ -142,6 +147,7 @@ def main() -> int:
             pending.result()
         pending = dcp.async_save(state, storage_writer=writer, async_stager=stager, checkpoint_id=step,
                                  process_group=save_group)
+        saves += 1
         if step == a.hang_after:
             pending.result()  # committed on every rank: dcp.save returns after every rank's write
             print(f"SAVED {step}", flush=True)
@@ -152,6 +158,7 @@ def main() -> int:
     if pending is not None:
         pending.result()
     writer.wait()
+    emit(saves=saves, leases=len(leases))
     if a.dump:
         whole = full(model, optim)
         if rank == 0:

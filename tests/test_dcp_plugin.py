@@ -461,6 +461,8 @@ def test_hf_llama_fsdp2_async_save_kill9_and_dcp_load_resume_bit_exact(tmp_path)
         assert len(ref_losses) == STEPS
         got = {e["step"]: e["loss"] for e in ev if "step" in e and e["step"] > HANG}
         assert got == {s: ref_losses[s] for s in range(HANG + 1, STEPS)}
+        # one slot per save: every byte went where the stager put it (no fresh slot, no second copy)
+        assert [e for e in ev if "saves" in e] == [{"saves": STEPS - HANG - 1, "leases": STEPS - HANG - 1}]
     want = torch.load(ref + "-dump", weights_only=True)
     for dump in (tmp_path / "dump", tmp_path / "one-dump"):
         got = torch.load(str(dump), weights_only=True)
