@@ -511,3 +511,19 @@ def test_closing_the_writer_right_after_async_save_commits_the_save_first(tmp_pa
             got = {"m": torch.nn.Linear(256, 256).state_dict(), "blob": b""}
             dcp.load(got, storage_reader=r, checkpoint_id=step)
         assert torch.equal(got["m"]["weight"], sd["m"]["weight"]) and got["blob"] == sd["blob"]
+
+
+def test_step_saved_through_the_plugin_reaches_s3_and_loads_from_it_alone(tmp_path, s3_bucket):
+    endpoint, bucket = s3_bucket
+    s3 = dict(s3=f"s3://{bucket}/ckpt", s3_endpoint=endpoint)
+    saved = {"model": {"w": torch.randn(32, 16), "b": torch.randn(16)}, "loader": b"\x01\x02", "epoch": (3, "a")}
+    with ckpt.DcpWriter("tos3", shm=str(tmp_path / "shm"), **s3) as w:
+        dcp.save(saved, storage_writer=w, checkpoint_id="run/checkpoint/step-11")
+        w.wait()  # written to S3, manifest last
+    # another node: nothing in its memory, only S3 holds the step
+    with ckpt.DcpReader("tos3", shm=str(tmp_path / "other"), **s3) as r:
+        assert r.latest_step() == 11
+        got = {"model": {"w": torch.zeros(32, 16), "b": torch.zeros(16)}, "loader": b"", "epoch": None}
+        dcp.load(got, storage_reader=r)
+        assert [x.tier for x in r.reports] == ["s3"]
+    _assert_equal(got, saved)
