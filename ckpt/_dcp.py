@@ -192,7 +192,9 @@ class DcpWriter(StorageWriter):
         super().__init__()
         self.ck, self._owns = _checkpointer(job, checkpointer, settings)
         self.job = self.ck.job
-        self.step: int | None = None
+        # the step of the save under way, per thread: DCP calls reset ... write_data of one save on one thread,
+        # and async saves in flight at once run on threads of their own
+        self._save = threading.local()
         self._staged: list[_Staged] = []
         self._writing = 0  # write_data calls under way
         self._lock = threading.Lock()
@@ -200,8 +202,7 @@ class DcpWriter(StorageWriter):
 
     # -------------------------------------------------------------- DCP's calls
     def reset(self, checkpoint_id: Any = None) -> None:
-        if checkpoint_id is not None:
-            self.step = step_of(checkpoint_id)
+        self._save.step = None if checkpoint_id is None else step_of(checkpoint_id)
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: Any) -> bool:
@@ -212,7 +213,7 @@ class DcpWriter(StorageWriter):
         return True
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
-        if self.step is None:
+        if getattr(self._save, "step", None) is None:
             raise ValueError("no step to save: pass checkpoint_id=<step> (an int, or a path ending in 'step-N') "
                              "to dcp.save / dcp.async_save")
 
@@ -223,8 +224,9 @@ class DcpWriter(StorageWriter):
         return plans
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> torch.futures.Future:
-        step = self.step
+        step = self._save.step
         assert step is not None  # set_up_storage_writer checked it
+        self._save.step = None  # each save names its step
         with self._lock:
             self._writing += 1
         try:

@@ -156,6 +156,16 @@ def test_checkpoint_id_that_names_no_step_is_refused_with_what_is_accepted(cid):
         step_of(cid)
 
 
+def test_a_save_without_checkpoint_id_is_refused_even_after_one_with_an_id(tmp_path):
+    with ckpt.DcpWriter("noid", shm=str(tmp_path / "shm")) as w:
+        dcp.save({"x": torch.ones(2)}, storage_writer=w, checkpoint_id=1)
+        for _ in range(2):  # not step 1 again: each save names its own step
+            with pytest.raises(CheckpointException, match="no step to save: pass checkpoint_id"):
+                dcp.save({"x": torch.ones(2)}, storage_writer=w)
+        with pytest.raises(ValueError, match="names no step"):
+            dcp.save({"x": torch.ones(2)}, storage_writer=w, checkpoint_id="latest")
+
+
 @settings(max_examples=200, deadline=None)
 @given(st.one_of(st.integers(min_value=0, max_value=2**40), st.text(max_size=20)),
        st.sampled_from(["", "step-", "step_"]), st.sampled_from(["", "/a/b/", "a/"]))
