@@ -5,8 +5,8 @@ Three objects, all importable from ``ckpt``:
 * :class:`DcpWriter` (a DCP ``StorageWriter``): each rank's items of a DCP save plan become that rank's
   shard of one step, in a shared-memory slot of the node agent, committed to the agent as a
   ``Checkpointer`` save is; the agent checksums it, builds the step's manifest once every rank
-  committed, replicates it and writes it to disk and S3. A step saved this way is listed, verified,
-  restored and exported by the ``ckpt`` CLI like any other.
+  committed, replicates it and writes it to disk and S3. A step saved this way is listed, verified and
+  restored by the ``ckpt`` CLI like any other.
 * :class:`DcpStager` (a DCP ``AsyncStager``, for ``dcp.async_save``): leases the slot and returns a
   staged state dict whose tensors are views into it, so the writer finds them already in place and
   copies nothing again. Tensors that only an optimizer step changes (parameters and optimizer state,
