@@ -27,7 +27,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 import ckpt
 from ckpt._dcp import step_of
 from tiers.keys import MAX_STEP
-from procs import HERE, ckpt_cmd, env, losses, read_events, start_agent
+from procs import HERE, ckpt_cmd, env, losses, read_events, start_agent, write_secret
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
@@ -496,7 +496,7 @@ def test_rank_with_an_empty_plan_after_dedup_still_commits_so_the_step_completes
         agent.terminate()
         agent.wait(60)
     assert p.returncode == 0, p.stderr[-3000:]
-    loaded = sorted(line for line in p.stdout.splitlines() if line.startswith("LOADED"))
+    loaded = sorted(line.rsplit(" ", 1)[0] for line in p.stdout.splitlines() if line.startswith("LOADED"))
     assert loaded == [f"LOADED {s} {r} True" for s in (1, 2) for r in (0, 1)]
     for step in (1, 2):
         folder = os.path.join(shm, "dedup", f"step-{step}")
@@ -537,3 +537,43 @@ def test_step_saved_through_the_plugin_reaches_s3_and_loads_from_it_alone(tmp_pa
         dcp.load(got, storage_reader=r)
         assert [x.tier for x in r.reports] == ["s3"]
     _assert_equal(got, saved)
+
+
+@pytest.mark.e2e
+def test_load_reads_the_shard_another_node_wrote_from_that_nodes_memory(tmp_path):
+    """Two nodes (an agent each, no peer copies: --replicas 1), one rank on each. DCP's dedup has each rank
+    write one of two replicated tensors, so each rank's load needs the other node's shard: it is read from
+    that node's memory over the peer protocol."""
+    from s3util import free_port
+
+    peers, secret = str(tmp_path / "peers.txt"), write_secret(str(tmp_path / "secret"))
+    ports = [free_port(), free_port()]
+    with open(peers, "w") as f:
+        f.write("".join(f"127.0.0.1:{p}\n" for p in ports))
+    shms = [str(tmp_path / f"node{n}" / "shm") for n in (0, 1)]
+    agents = []
+    try:
+        for n in (0, 1):
+            os.makedirs(os.path.dirname(shms[n]))
+            agents.append(start_agent(shms[n], "--node-rank", str(n), "--peers", peers, "--secret-file", secret,
+                                      "--replicas", "1", "--heartbeat", "0.2", "--dead-after", "3"))
+        port = free_port()
+        jobs = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node",
+                                  "1", "--node-rank", str(n), "--master-addr", "127.0.0.1", "--master-port", str(port),
+                                  os.path.join(HERE, "dcp_dedup_job.py"), "--job", "twonodes", "--shm", shms[n],
+                                  "--two"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env())
+                for n in (0, 1)]
+        outs = [j.communicate(timeout=600) for j in jobs]
+    finally:
+        for a in agents:
+            a.terminate()
+        for a in agents:
+            a.wait(60)
+    for j, (out, err) in zip(jobs, outs):
+        assert j.returncode == 0, err[-3000:]
+    loaded = sorted(line for out, _ in outs for line in out.splitlines() if line.startswith("LOADED"))
+    # every load read both shards: its own node's memory, and the other node's over the peer protocol
+    assert loaded == [f"LOADED {s} {r} True memory,peer" for s in (1, 2) for r in (0, 1)]
+    for n in (0, 1):  # no peer copies: each node's memory holds only its own rank's shard
+        assert sorted(os.listdir(os.path.join(shms[n], "twonodes", "step-1"))) == ["manifest.json",
+                                                                                   f"rank-{n}.shard"]
