@@ -4,23 +4,27 @@ Call order (DCP's): ``reset`` → ``read_metadata`` → ``set_up_storage_reader`
 → ``prepare_global_plan`` (coordinator) → ``read_data``. The metadata comes from the tierckpt manifest
 (every tensor chunk of every rank, with its global shape and offsets); ``read_data`` maps each shard it
 needs once, verified, from the cheapest tier that holds it intact, and copies the asked-for hypercube of
-each chunk into DCP's target. Only tensors go through DCP; JSON values are restored by the Checkpointer.
+each chunk into DCP's target. For the Checkpointer only tensors go through DCP (its JSON and bytes values are
+restored by the Checkpointer); for the DCP plug-in (``values=True``) the ``bytes`` chunks are values DCP serialised
+itself, handed to the planner's ``load_bytes`` once their shard is verified.
 """
 
 from __future__ import annotations
 
+import io
 import warnings
 from typing import Any
 
 import torch
 from torch.distributed.checkpoint import StorageReader
 from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
     ChunkStorageMetadata,
     Metadata,
     TensorProperties,
     TensorStorageMetadata,
 )
-from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner
 
 from recovery import RestorePlan, open_shard
 from tiers.manifest import BYTES_DTYPE, TensorChunk
@@ -31,19 +35,26 @@ __all__ = ["PlanReader"]
 
 
 class PlanReader(StorageReader):
-    """Reads the tensors of one planned step (any world size) for ``dcp.load``."""
+    """Reads the tensors (and with ``values``, the values DCP serialised) of one planned step, any world
+    size, for ``dcp.load``."""
 
-    def __init__(self, plan: RestorePlan, *, verify: bool = True) -> None:
+    def __init__(self, plan: RestorePlan, *, verify: bool = True, values: bool = False) -> None:
         super().__init__()
         self.plan = plan
         self.verify = verify
         self.reports: list = []
         # (fqn, chunk offsets) -> (rank, entry)
         self._where: dict[tuple[str, tuple[int, ...]], tuple[int, TensorChunk]] = {}
+        # fqn -> (rank, entry) of a value DCP serialised (values=True only)
+        self._values: dict[str, tuple[int, TensorChunk]] = {}
         for sh in plan.manifest.shards:
             for e in plan.entries(sh.rank):
-                if isinstance(e, TensorChunk) and e.dtype != BYTES_DTYPE:  # bytes values: not DCP's
+                if not isinstance(e, TensorChunk):
+                    continue
+                if e.dtype != BYTES_DTYPE:
                     self._where.setdefault((e.name, e.offsets), (sh.rank, e))
+                elif values:
+                    self._values.setdefault(e.name, (sh.rank, e))
 
     def reset(self, checkpoint_id: Any = None) -> None:
         pass
@@ -60,7 +71,10 @@ class PlanReader(StorageReader):
                 m = md[name] = TensorStorageMetadata(TensorProperties(dtype=_dtype(e.dtype)),
                                                      torch.Size(e.global_shape), [])
             m.chunks.append(ChunkStorageMetadata(torch.Size(offsets), torch.Size(e.shape)))
-        return Metadata(state_dict_metadata=md)
+        out: dict[str, Any] = dict(md)
+        for name in self._values:
+            out[name] = BytesStorageMetadata()
+        return Metadata(state_dict_metadata=out)
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         pass
@@ -76,7 +90,10 @@ class PlanReader(StorageReader):
         # it is copied: memory stays bounded by the largest shard, whatever the number of shards
         by_rank: dict[int, list] = {}
         for req in plan.items:
-            rank, e = self._where[(req.storage_index.fqn, tuple(req.storage_index.offset))]
+            if req.type == LoadItemType.BYTE_IO:
+                rank, e = self._values[req.storage_index.fqn]
+            else:
+                rank, e = self._where[(req.storage_index.fqn, tuple(req.storage_index.offset))]
             by_rank.setdefault(rank, []).append((req, e))
         for rank in sorted(by_rank):
             keep: list[torch.Tensor] = []
@@ -94,6 +111,9 @@ class PlanReader(StorageReader):
     @staticmethod
     def _copy_out(shard: Any, items: list, planner: LoadPlanner) -> None:
         for req, e in items:
+            if req.type == LoadItemType.BYTE_IO:
+                planner.load_bytes(req, io.BytesIO(bytes(shard.view[e.offset:e.offset + e.nbytes])))
+                continue
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")  # a copy-on-write mapping is writable; torch cannot tell
                 src = torch.frombuffer(shard.view, dtype=torch.uint8, count=e.nbytes, offset=e.offset) \
