@@ -468,8 +468,84 @@ class TierckptTitan(_Titan, Tierckpt):
         self.titan_teardown()
 
 
+class PluginHandle(Handle):
+    """An ``async_save`` through tierckpt's DCP plug-in: consistent once the stager's copy is done, persisted once
+    the upload committed the step and the agent wrote it to disk."""
+
+    def __init__(self, upload: Future, writer, stager) -> None:
+        self._upload = upload
+        self._writer = writer
+        self._stager = stager
+        self._done: float | None = None
+
+    def consistent_at(self) -> float:
+        self._stager.synchronize_staging()
+        return now()
+
+    def persisted_done(self) -> bool:
+        if self._done is not None:
+            return True
+        if not self._upload.done():
+            return False
+        try:
+            self._writer.wait(timeout=0.001)
+        except TimeoutError:
+            return False
+        self._done = now()
+        return True
+
+    def persisted_at(self) -> float:
+        if self._done is None:
+            self._upload.result()
+            self._writer.wait()
+            self._done = now()
+        return self._done
+
+
+class DcpPluginTitan(_Titan, Tierckpt):
+    key, label = "dcp_plugin_titan", "tierckpt DCP plug-in, torchtitan state"
+    note = ("dcp.async_save(torchtitan's state, storage_writer=ckpt.DcpWriter, async_stager=ckpt.DcpStager), "
+            "embedded agent")
+
+    def setup(self) -> None:
+        import ckpt
+
+        self.titan_setup()
+        self.shm = tempfile.mkdtemp(prefix="bench-plugin-", dir=self.scratch["shm"])
+        self.disk = tempfile.mkdtemp(prefix="bench-plugin-disk-", dir=self.scratch["disk"])
+        self.writer = ckpt.DcpWriter("bench-plugin", shm=self.shm, disk=self.disk)
+        self.ck = self.writer.ck
+        self.stager = ckpt.DcpStager(self.writer)
+        self.warmup = self.ck.settings.keep_memory + 2
+        self.agent_pid = self._agent_pid()
+        self.pending: Future | None = None
+
+    def save(self) -> Handle:
+        if self.pending is not None:
+            self.pending.result()  # as a training loop does: one save in flight
+        fut = dcp.async_save(self.titan, storage_writer=self.writer, async_stager=self.stager, checkpoint_id=self.i)
+        if isinstance(fut, AsyncSaveResponse):
+            fut = fut.upload_completion
+        self.pending = fut
+        self.i += 1
+        return PluginHandle(fut, self.writer, self.stager)
+
+    def teardown(self) -> None:
+        if self.pending is not None:
+            self.pending.result()
+        self.writer.close()
+        self.ck = _Closed()
+        super().teardown()
+        self.titan_teardown()
+
+
+class _Closed:
+    def close(self) -> None:
+        pass
+
+
 METHODS = [WarmCopy, FreshCopy, TorchSave, DcpSave, DcpAsync, DcpAsyncShm, DcpAsyncShmTitan, Tierckpt,
-           TierckptTitan]
+           TierckptTitan, DcpPluginTitan]
 
 
 # ---------------------------------------------------------------------------- measuring

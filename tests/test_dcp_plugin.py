@@ -345,8 +345,6 @@ def _train_step(model: torch.nn.Module, optims: Any, step: int) -> None:
 
 @pytest.mark.parametrize("kind", ["shaped", "torchtitan"])
 def test_async_save_copy_overlaps_and_the_optimizer_step_waits_for_it_torchtitan_state(tmp_path, kind):
-    if kind == "torchtitan":
-        pytest.importorskip("torchtitan")
     state, model, optims = _titan_state(0, kind)
     with ckpt.DcpWriter("titan", shm=str(tmp_path / "shm")) as w:
         stager = ckpt.DcpStager(w)
@@ -423,7 +421,6 @@ def test_hf_llama_fsdp2_async_save_kill9_and_dcp_load_resume_bit_exact(tmp_path)
     """A transformers LlamaForCausalLM, FSDP2 on 2 ranks (torchrun, gloo), dcp.async_save every step through the
     plug-in; the job is killed with kill -9 after a committed step and resumed with dcp.load: the same losses
     and final state as an uninterrupted run, and the final step loads on 1 rank (resharded) exactly."""
-    pytest.importorskip("transformers")
     shm = str(tmp_path / "shm")
 
     def torchrun(out: str, *extra: str, hang: bool = False):
