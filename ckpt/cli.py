@@ -49,6 +49,11 @@ __all__ = ["main"]
 EXIT_ERROR = 1
 EXIT_USAGE = 2
 EXIT_CORRUPT = 3
+#: a shell's status for a process whose output pipe was closed (128 + SIGPIPE)
+EXIT_PIPE = 141
+
+#: the manifest's dtype name of a raw ``bytes`` value (1-D, stored like uint8)
+RAW_BYTES = "bytes"
 
 
 
@@ -303,13 +308,13 @@ def cmd_show(a: argparse.Namespace) -> int:
     print()
     rows = [["name", "dtype", "global shape", "rank: offsets"]]
     tensors: dict[str, list] = {}
-    values: dict[str, Any] = {}
+    values: dict[str, dict[int, Any]] = {}  # name -> rank -> value
     for sh in m.shards:
         for e in plan.entries(sh.rank):
             if isinstance(e, TensorChunk):
                 tensors.setdefault(e.name, []).append((sh.rank, e))
-            elif sh.rank == 0:
-                values[e.name] = e.value
+            else:
+                values.setdefault(e.name, {})[sh.rank] = e.value
     for name, chunks in tensors.items():
         e0 = chunks[0][1]
         where = " ".join(f"{r}:{list(e.offsets)}" for r, e in chunks[:4]) + (" …" if len(chunks) > 4 else "")
@@ -317,9 +322,37 @@ def cmd_show(a: argparse.Namespace) -> int:
     print(_table(rows))
     if values:
         print()
-        for name, v in values.items():
-            print(f"{name} = {json.dumps(v)}")
+        for line in _value_lines(values, m.world):
+            print(line)
     return 0
+
+
+def _value_lines(values: dict[str, dict[int, Any]], world: int) -> list[str]:
+    """``ckpt show``'s JSON values: ``name = v`` when every rank holds the same value, else one line per
+    distinct value naming the ranks that hold it (``name [rank 1,3] = v``)."""
+    lines = []
+    for name, by_rank in values.items():
+        groups: dict[str, list[int]] = {}
+        for rank, v in sorted(by_rank.items()):
+            groups.setdefault(json.dumps(v, sort_keys=True), []).append(rank)
+        if len(groups) == 1 and len(by_rank) == world:
+            lines.append(f"{name} = {next(iter(groups))}")
+            continue
+        for text, ranks in groups.items():
+            lines.append(f"{name} [rank {_ranges(ranks)}] = {text}")
+    return lines
+
+
+def _ranges(ranks: list[int]) -> str:
+    """``[0, 1, 2, 5]`` -> ``0-2,5``."""
+    out, i = [], 0
+    while i < len(ranks):
+        j = i
+        while j + 1 < len(ranks) and ranks[j + 1] == ranks[j] + 1:
+            j += 1
+        out.append(str(ranks[i]) if i == j else f"{ranks[i]}-{ranks[j]}")
+        i = j + 1
+    return ",".join(out)
 
 
 def _layout_problems(inv: TierInventory, job: str, m: Any, ranks: set[int],
@@ -427,6 +460,15 @@ places), nor a step newer than the newest committed one (it may be in flight).
 nothing, when that would remove the last restorable copy the tiers shown hold,
 or when a tier could not be listed; --force removes them anyway. Tiers of other
 nodes that this command does not show may hold the only copy of their shards.
+
+Every run also removes the job's free staging slots from this node's memory
+folder (a slot no committed shard links to; a running trainer leases new ones).
+
+It says what it frees, per tier: the steps removed and their bytes, then the
+total. In the memory tier a committed shard is a second name of the staging slot
+it was copied into, so its memory comes back only when the slot goes too: the
+memory tier's figure counts the files that left memory (shards, manifests,
+layouts and slots), once each.
 """
 
 
@@ -487,7 +529,12 @@ def cmd_gc(a: argparse.Namespace) -> int:
     if explicit and doomed and down and not a.force:
         raise CliError(f"not removing anything: the {', '.join(down)} tier(s) could not be listed, so whether another "
                        "copy is left cannot be told; retry when they answer, or pass --force")
+    total_bytes = total_steps = 0
     for i, inv in enumerate(invs):
+        if inv.error is not None:
+            print(f"nothing removed from {inv.name} ({inv.tier.describe()}): it could not be listed")
+            continue
+        held = _memory_files(inv.tier, job) if isinstance(inv.tier, MemoryTier) else None
         steps = sorted(st for j, st in doomed if j == i)
         freed = removed = 0
         gone: set[int] = set()
@@ -500,52 +547,66 @@ def cmd_gc(a: argparse.Namespace) -> int:
             freed += got
             removed += 1
             gone.add(step)
-        emptied = a.all and inv.error is None and removed == len(inv.job(job))
-        if inv.error is None and not emptied:
+        emptied = a.all and removed == len(inv.job(job))
+        if not emptied:
             # the index of this place, made to say what the scan found less what was just removed
             step_index.rebuild(inv.tier, job, {s: st for s, st in inv.job(job).items() if s not in gone})
-        if removed:
-            print(f"freed {_fmt_bytes(freed)} in {inv.name} ({inv.tier.describe()}): {removed} step(s)")
+        extra = ""
         if emptied:
             # every step is gone from this tier: the layouts they named go with them
             layouts = inv.tier.list(keys.layouts_prefix(job))
             for k in layouts:
+                with contextlib.suppress(KeyNotFoundError):
+                    freed += inv.tier.stat(k).size
                 inv.tier.delete(k)
             if step_index.keeps_index(inv.tier):
                 inv.tier.delete(keys.index_key(job))
             if layouts:
-                print(f"removed {len(layouts)} layout object(s) of {job} from {inv.name}")
-        if isinstance(inv.tier, MemoryTier) and inv.error is None:
+                extra += f", {len(layouts)} layout object(s)"
+        if held is not None:
+            slots = _slot_count(inv.tier, job)
             inv.tier.drop_slots(job)
+            after = _memory_files(inv.tier, job)
+            # a committed shard shares its memory with the slot it was staged in: count what left memory
+            freed = sum(n for ino, n in held.items() if ino not in after)
+            dropped = slots - _slot_count(inv.tier, job)
+            if dropped:
+                extra += f", {dropped} staging slot(s)"
+        where = f"{inv.name} ({inv.tier.describe()})"
+        if removed or extra:
+            print(f"freed {_fmt_bytes(freed)} in {where}: {removed} step(s){extra}")
+        else:
+            print(f"nothing removed from {where}")
+        total_bytes += freed
+        total_steps += removed
     if not doomed:
-        print("nothing to remove" + ("" if explicit else
+        print("no step to remove" + ("" if explicit else
                                      ": every step is committed, restorable, or newer than the newest committed"))
+    print(f"freed {_fmt_bytes(total_bytes)} in all: {total_steps} step(s) removed across "
+          f"{sum(inv.error is None for inv in invs)} tier(s)")
     return 0
 
 
-def _unescape(seg: str) -> Any:
-    if seg.startswith("~i"):
-        return int(seg[2:])
-    return seg.replace("~1", "/").replace("~0", "~")
+def _memory_files(tier: MemoryTier, job: str) -> dict[tuple[int, int], int]:
+    """``(device, inode) -> bytes`` of every file of ``job`` in a memory folder: its objects and its staging
+    slots (a committed shard is a second name of its slot's file, so memory is counted once per inode)."""
+    out: dict[tuple[int, int], int] = {}
+    for top in (os.path.join(tier.root, job), os.path.join(tier.root, ".slots", job)):
+        for folder, _, files in os.walk(top):
+            for f in files:
+                with contextlib.suppress(OSError):
+                    st = os.lstat(os.path.join(folder, f))
+                    out[(st.st_dev, st.st_ino)] = st.st_size
+    return out
 
 
-def _nest(flat: dict[str, Any]) -> dict:
-    root: dict = {}
-    for name, v in flat.items():
-        parts = [_unescape(p) for p in name.split("/")]
-        d = root
-        for p in parts[:-1]:
-            d = d.setdefault(p, {})
-        d[parts[-1]] = v
-
-    def lists(x: Any) -> Any:
-        if isinstance(x, dict):
-            x = {k: lists(v) for k, v in x.items()}
-            if x and all(isinstance(k, int) for k in x) and sorted(x) == list(range(len(x))):
-                return [x[i] for i in range(len(x))]
-        return x
-
-    return lists(root)
+def _slot_count(tier: MemoryTier, job: str) -> int:
+    base = os.path.join(tier.root, ".slots", job)
+    try:
+        return sum(len(tier.slots(job, int(d.removeprefix("rank-")))) for d in os.listdir(base)
+                   if d.startswith("rank-") and d.removeprefix("rank-").isdigit())
+    except OSError:
+        return 0
 
 
 def _parse_size(text: str) -> int:
@@ -566,11 +627,38 @@ def _anon_buffer(n: int) -> memoryview:
     return memoryview(mmap.mmap(-1, n) if n else bytearray(0))
 
 
+RESTORE_HELP = """\
+Fetch a step from the fastest tiers that hold it, assemble every rank's chunks into
+whole tensors, and write them where a loader reads them:
+
+  dcp          a folder that torch.distributed.checkpoint.load reads (and torchtitan's
+               --checkpoint.initial_load_path, with model-only keys: --only model)
+  torch        OUT/checkpoint.pt, which torch.load(path, weights_only=True) reads
+  safetensors  OUT/model.safetensors (safetensors.torch.load_file; transformers'
+               from_pretrained(OUT) once OUT also holds the model's config.json).
+               safetensors holds tensors only: JSON values go into the file's metadata
+               as one JSON object under "tierckpt.values"; bytes values are left out.
+               The command says which.
+
+Keys: each entry's path joined with '.', as DCP and transformers name parameters
+(a state {"model": model, "optim": optim} gives model.layers.0.weight, optim.state...).
+  --only model           keeps model.* and takes "model." off (layers.0.weight)
+  --strip-prefix PREFIX  takes PREFIX off every key that has it and keeps the rest
+The dcp and torch formats keep the nesting of the state (dicts; lists as saved);
+bytes values are written as Python bytes.
+"""
+
+
 def cmd_restore(a: argparse.Namespace) -> int:
     import torch
     from tqdm import tqdm
 
-    from ckpt._tensors import dtype_of as _dtype
+    from ckpt._export import ExportError, lay_out, write_export
+    from ckpt._tensors import dtype_of
+
+    def _dtype(name: str) -> torch.dtype:
+        # a raw bytes value is stored as uint8 and handed over as ``bytes`` below
+        return torch.uint8 if name == RAW_BYTES else dtype_of(name)
 
     job = keys.check_job(a.job)
     s = _settings(a)
@@ -578,6 +666,11 @@ def cmd_restore(a: argparse.Namespace) -> int:
     costs, costs_path = node_costs(s.shm, invs)
     plan = plan_restore(invs, job, a.step, costs=costs)
     m = plan.manifest
+    try:  # a key layout that matches nothing is refused before anything is fetched
+        lay_out({e.name: None for sh in m.shards for e in plan.entries(sh.rank)}, only=a.only,
+                strip_prefix=a.strip_prefix)
+    except ExportError as e:
+        raise CliError(str(e)) from None
     out: dict[str, Any] = {}
     for sh in m.shards:  # JSON values live in the manifest: rank 0's win, else the lowest rank's
         for e in sh.entries:
@@ -617,16 +710,14 @@ def cmd_restore(a: argparse.Namespace) -> int:
                 except OSError as e:
                     print(f"ckpt: warning: could not save the learned restore costs to {costs_path}: {e}",
                           file=sys.stderr)
-    state = _nest(out)
-    os.makedirs(a.to, exist_ok=True)
-    if a.format == "torch":
-        path = os.path.join(a.to, "checkpoint.pt")
-        torch.save(state, path)
-    else:
-        import torch.distributed.checkpoint as dcp
-
-        dcp.save(state, storage_writer=dcp.FileSystemWriter(a.to), no_dist=True)
-        path = a.to
+    for e in (e for sh in m.shards for e in plan.entries(sh.rank)):
+        if isinstance(e, TensorChunk) and e.dtype == RAW_BYTES and isinstance(out.get(e.name), torch.Tensor):
+            out[e.name] = out[e.name].numpy().tobytes()
+    try:
+        written = write_export(lay_out(out, only=a.only, strip_prefix=a.strip_prefix), a.format, a.to)
+    except ExportError as e:
+        raise CliError(str(e)) from None
+    path = written.path
     # "estimated" is what the cost model expected of the first place it planned for the shard
     rows = [["rank", "tier", "source", "size", "seconds", "estimated", "GB/s"]]
     for r in sources:
@@ -635,6 +726,8 @@ def cmd_restore(a: argparse.Namespace) -> int:
                      "-" if est is None else f"{est:.3g}", f"{r.gbps:.2f}"])
     print(_table(rows))
     print(f"restored {job} step {m.step} ({_fmt_bytes(m.total_bytes)}) to {path} as {a.format}")
+    for note in written.notes:
+        print(f"{a.format}: {note}")
     return 0
 
 
@@ -698,11 +791,16 @@ def build_parser() -> argparse.ArgumentParser:
         _tier_flags(sp)
         sp.set_defaults(fn=fn)
 
-    rs = sub.add_parser("restore", help="export a step to a folder as DCP or torch.save")
+    rs = sub.add_parser("restore", help="export a step to a folder as DCP, torch.save or safetensors",
+                        description=RESTORE_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
     rs.add_argument("job")
     rs.add_argument("--step", type=int)
     rs.add_argument("--to", required=True, help="output folder")
-    rs.add_argument("--format", choices=("dcp", "torch"), default="dcp")
+    rs.add_argument("--format", choices=("dcp", "torch", "safetensors"), default="dcp")
+    rs.add_argument("--only", metavar="NAME",
+                    help="export only the entries under the top-level entry NAME, with NAME. taken off their keys")
+    rs.add_argument("--strip-prefix", metavar="PREFIX",
+                    help="take PREFIX off every key that starts with it (keys: entry paths joined with '.')")
     rs.add_argument("--progress", action="store_true", help="show the progress bar even when not on a terminal")
     rs.add_argument("--max-memory", type=_parse_size, default=1 << 30, metavar="SIZE",
                     help="most shard bytes held at once while fetching in parallel (bytes, or 512MiB, 4GiB; "
@@ -727,21 +825,29 @@ def main(argv: list[str] | None = None) -> int:
 
     Every failure reaches the user as one line on stderr (``ckpt: error: ...``) and a non-zero status:
     2 for unusable flags or settings, 3 when a shard or step is damaged, 1 for anything else (130 on
-    Ctrl-C). An error this module does not expect is printed the same way, with its type; set
-    ``CKPT_TRACEBACK=1`` to get the traceback instead.
+    Ctrl-C). An output pipe closed by its reader (``ckpt list JOB | head -1``) ends the command quietly
+    with status 141, as a shell reports a writer stopped by SIGPIPE. An error this module does not expect
+    is printed the same way, with its type; set ``CKPT_TRACEBACK=1`` to get the traceback instead.
     """
     try:
-        status = _run(argv)
-        sys.stdout.flush()  # here, not at exit: a reader that went away is reported like any other error
+        try:
+            status = _run(argv)
+        except SystemExit:  # argparse (--help, a usage error): its output is flushed here too
+            sys.stdout.flush()
+            raise
+        sys.stdout.flush()  # here, not at exit: a reader that went away is seen here
         return status
-    except BrokenPipeError:
-        # whoever read our output stopped (``| head``): nothing more can reach stdout, and the interpreter's
-        # flush at exit must not print a traceback about it
+    except BrokenPipeError as e:
+        if not _stdout_closed():  # a socket or a pipe of our own broke, not our output
+            _error(str(e))
+            return EXIT_ERROR
+        # whoever read our output stopped (``| head``): nothing more can reach stdout, which is quietly
+        # pointed at /dev/null so that the interpreter's flush at exit finds nothing to complain about;
+        # the status is the shell's for a writer stopped by SIGPIPE
         with contextlib.suppress(OSError):
             devnull = os.open(os.devnull, os.O_WRONLY)
             os.dup2(devnull, sys.stdout.fileno())
-        _error("the output was closed before everything was written (broken pipe)")
-        return EXIT_ERROR
+        return EXIT_PIPE
     except KeyboardInterrupt:
         return 130
     except Exception as e:
@@ -749,6 +855,19 @@ def main(argv: list[str] | None = None) -> int:
             raise
         _error(f"unexpected {type(e).__name__}: {e} (set CKPT_TRACEBACK=1 to see where)")
         return EXIT_ERROR
+
+
+def _stdout_closed() -> bool:
+    """True when stdout is a pipe whose reader has gone (poll reports an error on its write end)."""
+    import select
+
+    try:
+        fd = sys.stdout.fileno()
+        poller = select.poll()
+        poller.register(fd, select.POLLOUT)
+        return any(ev & select.POLLERR for _, ev in poller.poll(0))
+    except (OSError, ValueError, AttributeError):
+        return False
 
 
 def _error(message: str) -> None:
