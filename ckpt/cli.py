@@ -532,7 +532,7 @@ def cmd_gc(a: argparse.Namespace) -> int:
     total_bytes = total_steps = 0
     for i, inv in enumerate(invs):
         if inv.error is not None:
-            print(f"nothing removed from {inv.name} ({inv.tier.describe()}): it could not be listed")
+            print(f"nothing freed in {inv.name} ({inv.tier.describe()}): it could not be listed")
             continue
         held = _memory_files(inv.tier, job) if isinstance(inv.tier, MemoryTier) else None
         steps = sorted(st for j, st in doomed if j == i)
@@ -576,13 +576,13 @@ def cmd_gc(a: argparse.Namespace) -> int:
         if removed or extra:
             print(f"freed {_fmt_bytes(freed)} in {where}: {removed} step(s){extra}")
         else:
-            print(f"nothing removed from {where}")
+            print(f"nothing to free in {where}")
         total_bytes += freed
         total_steps += removed
     if not doomed:
         print("no step to remove" + ("" if explicit else
                                      ": every step is committed, restorable, or newer than the newest committed"))
-    print(f"freed {_fmt_bytes(total_bytes)} in all: {total_steps} step(s) removed across "
+    print(f"freed {_fmt_bytes(total_bytes)} in all: {total_steps} step(s) from "
           f"{sum(inv.error is None for inv in invs)} tier(s)")
     return 0
 

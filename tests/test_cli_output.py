@@ -157,9 +157,9 @@ def test_gc_all_says_how_many_steps_and_bytes_it_frees_from_the_memory_tier_slot
         lines = p.stdout.splitlines()
         want = f"freed {_fmt(held - kept)} in memory ({shm}): 0 step(s), {slots - kept_slots} staging slot(s)"
         assert want in lines, p.stdout
-        assert f"freed {_fmt(held - kept)} in all: 0 step(s) removed across 1 tier(s)" in lines, p.stdout
+        assert f"freed {_fmt(held - kept)} in all: 0 step(s) from 1 tier(s)" in lines, p.stdout
         p = ckpt_cmd("gc", JOB, "--shm", shm, check=True)
-        assert f"nothing removed from memory ({shm})" in p.stdout.splitlines(), p.stdout
+        assert f"nothing to free in memory ({shm})" in p.stdout.splitlines(), p.stdout
         assert _held(shm) == (kept, kept_slots)
         p = ckpt_cmd("gc", JOB, "--all", "--force", "--shm", shm, check=True)
         assert _held(shm) == (0, 0), "gc --all left files of the job in the memory folder"
@@ -167,7 +167,7 @@ def test_gc_all_says_how_many_steps_and_bytes_it_frees_from_the_memory_tier_slot
         want = (f"freed {_fmt(kept)} in memory ({shm}): 1 step(s), {layouts} layout object(s), "
                 f"{kept_slots} staging slot(s)")
         assert want in lines, p.stdout
-        assert f"freed {_fmt(kept)} in all: 1 step(s) removed across 1 tier(s)" in lines, p.stdout
+        assert f"freed {_fmt(kept)} in all: 1 step(s) from 1 tier(s)" in lines, p.stdout
     finally:
         proc.terminate()
         proc.wait(60)
