@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["FORMATS", "ExportError", "Export", "entry_path", "lay_out", "write_export"]
+__all__ = ["FORMATS", "ExportError", "Export", "check_dtypes", "entry_path", "lay_out", "write_export"]
 
 FORMATS = ("dcp", "torch", "safetensors")
 
@@ -110,26 +110,26 @@ def lay_out(flat: dict[str, Any], *, only: str | None = None, strip_prefix: str 
             raise ExportError(f"--only {only}: {why}; the top-level entries are {_tops(list(paths))}")
         if len(out) < sum(1 for p in paths if dotted(p).startswith(want)):
             raise ExportError(f"--only {only}: two entries under it would get the same key; export without "
-                                 "--only and pick the entries after loading")
+                              "--only and pick the entries after loading")
     if strip_prefix is not None:
         if not strip_prefix:
             raise ExportError("--strip-prefix needs a non-empty prefix, such as model.")
         hit = [p for p in out if dotted(p).startswith(strip_prefix)]
         if not hit:
             raise ExportError(f"--strip-prefix {strip_prefix}: no key starts with it; the top-level entries are "
-                                 f"{_tops(list(out))} (keys are entry paths joined with '.')")
+                              f"{_tops(list(out))} (keys are entry paths joined with '.')")
         stripped: dict[Path, Any] = {}
         for p, v in out.items():
             if dotted(p).startswith(strip_prefix):
                 q = _cut(p, len(strip_prefix))
                 if not q or q == ("",):
                     raise ExportError(f"--strip-prefix {strip_prefix}: it is the whole key {dotted(p)!r}, which "
-                                         "would be left with no name; give a shorter prefix")
+                                      "would be left with no name; give a shorter prefix")
             else:
                 q = p
             if q in stripped:
                 raise ExportError(f"--strip-prefix {strip_prefix}: {dotted(p)!r} would take the key {dotted(q)!r}, "
-                                     "which another entry has; give a longer prefix")
+                                  "which another entry has; give a longer prefix")
             stripped[q] = v
         out = stripped
     # one entry's path may not be another's container: the nested form could not hold both
@@ -138,7 +138,7 @@ def lay_out(flat: dict[str, Any], *, only: str | None = None, strip_prefix: str 
     if clash:
         given = " ".join(f"{flag} {v}" for flag, v in (("--only", only), ("--strip-prefix", strip_prefix)) if v)
         raise ExportError(f"{given}: {clash[0]!r} would be both a value and a container of other keys; "
-                             "choose another prefix")
+                          "choose another prefix")
     return out
 
 
@@ -179,19 +179,28 @@ def write_export(paths: dict[Path, Any], fmt: str, to: str) -> Export:
     raise ValueError(f"unknown export format {fmt!r}: one of {', '.join(FORMATS)}")
 
 
-def _write_safetensors(paths: dict[Path, Any], to: str) -> Export:
-    from safetensors.torch import _TYPES, save_file
+def check_dtypes(dtypes: dict[str, torch.dtype], fmt: str) -> None:
+    """Raise ExportError when ``fmt`` cannot hold one of ``dtypes`` (flattened key -> dtype), before any work."""
+    if fmt != "safetensors":
+        return
+    from safetensors.torch import _TYPES
 
-    supported = set(_TYPES.values())
+    for key, dt in dtypes.items():
+        if dt not in _TYPES.values():
+            raise ExportError(f"{key} is {str(dt).removeprefix('torch.')}, which safetensors cannot hold: export it "
+                              "with --format torch or dcp")
+
+
+def _write_safetensors(paths: dict[Path, Any], to: str) -> Export:
+    from safetensors.torch import save_file
+
+    check_dtypes({dotted(p): v.dtype for p, v in paths.items() if isinstance(v, torch.Tensor)}, "safetensors")
     tensors: dict[str, torch.Tensor] = {}
     values: dict[str, Any] = {}
     left_out: list[str] = []
     for p, v in paths.items():
         key = dotted(p)
         if isinstance(v, torch.Tensor):
-            if v.dtype not in supported:
-                raise ExportError(f"{key} is {str(v.dtype).removeprefix('torch.')}, which safetensors cannot "
-                                     "hold: export it with --format torch or dcp")
             tensors[key] = v.contiguous()
         elif isinstance(v, bytes):
             left_out.append(key)

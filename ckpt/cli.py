@@ -581,7 +581,7 @@ def cmd_gc(a: argparse.Namespace) -> int:
         total_steps += removed
     if not doomed:
         print("no step to remove" + ("" if explicit else
-                                     ": every step is committed, restorable, or newer than the newest committed"))
+                                    ": every step is committed, restorable, or newer than the newest committed"))
     print(f"freed {_fmt_bytes(total_bytes)} in all: {total_steps} step(s) from "
           f"{sum(inv.error is None for inv in invs)} tier(s)")
     return 0
@@ -653,7 +653,7 @@ def cmd_restore(a: argparse.Namespace) -> int:
     import torch
     from tqdm import tqdm
 
-    from ckpt._export import ExportError, lay_out, write_export
+    from ckpt._export import ExportError, check_dtypes, dotted, lay_out, write_export
     from ckpt._tensors import dtype_of
 
     def _dtype(name: str) -> torch.dtype:
@@ -666,9 +666,11 @@ def cmd_restore(a: argparse.Namespace) -> int:
     costs, costs_path = node_costs(s.shm, invs)
     plan = plan_restore(invs, job, a.step, costs=costs)
     m = plan.manifest
-    try:  # a key layout that matches nothing is refused before anything is fetched
-        lay_out({e.name: None for sh in m.shards for e in plan.entries(sh.rank)}, only=a.only,
-                strip_prefix=a.strip_prefix)
+    try:  # a key layout that matches nothing, or a dtype the format cannot hold, is refused before any fetch
+        laid = lay_out({e.name: e for sh in m.shards for e in plan.entries(sh.rank)}, only=a.only,
+                       strip_prefix=a.strip_prefix)
+        check_dtypes({dotted(p): _dtype(e.dtype) for p, e in laid.items()
+                      if isinstance(e, TensorChunk) and e.dtype != RAW_BYTES}, a.format)
     except ExportError as e:
         raise CliError(str(e)) from None
     out: dict[str, Any] = {}

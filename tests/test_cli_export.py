@@ -160,6 +160,35 @@ def test_dcp_export_with_only_model_loads_into_a_fresh_models_state_dict(saved, 
     assert sd["data"] == {"pos": 123, "name": "shard-7"}
 
 
+def test_dcp_export_with_only_model_is_read_by_torchtitans_initial_load(saved, tmp_path):
+    """torchtitan's own ``CheckpointManager`` (``--checkpoint.initial_load_path``, model only) loads the export
+    into a fresh model; the whole-state layout (``model.<name>``) is what it cannot read."""
+    pytest.importorskip("torchtitan.components.checkpointer.dcp")
+    from torchtitan.components.checkpointer.dcp import CheckpointManager
+
+    root, model, _ = saved
+
+    def initial_load(path):
+        fresh = _model(1)
+        cfg = CheckpointManager.Config(enable=True, folder="run", initial_load_path=str(path),
+                                       initial_load_model_only=True)
+        mgr = CheckpointManager(cfg, dataloader=None, model_parts=[fresh], optimizers=None, lr_schedulers=None,
+                                states={}, sd_adapter=None, base_folder=str(tmp_path / f"titan-{path.name}"))
+        try:
+            assert mgr.load()
+        finally:
+            mgr.close()
+        return fresh
+
+    _export(root, tmp_path / "whole", "--format", "dcp")
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    with pytest.raises(CheckpointException, match="Missing key in checkpoint state_dict"):
+        initial_load(tmp_path / "whole")
+    _export(root, tmp_path / "model", "--format", "dcp", "--only", "model")
+    _assert_same_tensors(_model_sd(initial_load(tmp_path / "model")), _model_sd(model))
+
+
 # ---------------------------------------------------------------------- key layouts
 def test_strip_prefix_takes_a_dotted_dcp_prefix_off_and_from_pretrained_loads_it(tmp_path):
     """Entries named by dotted DCP names (``model.model.layers.0...``, as a DCP storage plug-in writes them):
@@ -301,3 +330,14 @@ def test_safetensors_refuses_a_dtype_it_cannot_hold_in_one_line(tmp_path):
 
     with pytest.raises(ExportError, match=r"^z is complex128, which safetensors cannot hold: export it with"):
         write_export(lay_out({"z": torch.zeros(2, dtype=torch.complex128)}), "safetensors", str(tmp_path))
+
+
+def test_safetensors_of_a_dtype_it_cannot_hold_is_refused_before_anything_is_written(tmp_path):
+    _save(tmp_path, "cplx", {"z": torch.randn(3, dtype=torch.complex128), "w": torch.ones(2)})
+    out = tmp_path / "out"
+    p = ckpt_cmd("restore", "cplx", "--to", str(out), "--format", "safetensors", *_flags(tmp_path))
+    assert p.returncode == 1 and p.stderr.strip().splitlines() == [
+        "ckpt: error: z is complex128, which safetensors cannot hold: export it with --format torch or dcp"], p.stderr
+    assert not out.exists()
+    p = ckpt_cmd("restore", "cplx", "--to", str(out), "--format", "torch", *_flags(tmp_path))
+    assert p.returncode == 0, p.stderr
