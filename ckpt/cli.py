@@ -831,25 +831,18 @@ def main(argv: list[str] | None = None) -> int:
     with status 141, as a shell reports a writer stopped by SIGPIPE. An error this module does not expect
     is printed the same way, with its type; set ``CKPT_TRACEBACK=1`` to get the traceback instead.
     """
+    out = sys.stdout
+    guard = sys.stdout = _Output(out)
     try:
         try:
             status = _run(argv)
-        except SystemExit:  # argparse (--help, a usage error): its output is flushed here too
-            sys.stdout.flush()
-            raise
-        sys.stdout.flush()  # here, not at exit: a reader that went away is seen here
-        return status
-    except BrokenPipeError as e:
-        if not _stdout_closed():  # a socket or a pipe of our own broke, not our output
-            _error(str(e))
-            return EXIT_ERROR
-        # whoever read our output stopped (``| head``): nothing more can reach stdout, which is quietly
-        # pointed at /dev/null so that the interpreter's flush at exit finds nothing to complain about;
-        # the status is the shell's for a writer stopped by SIGPIPE
-        with contextlib.suppress(OSError):
-            devnull = os.open(os.devnull, os.O_WRONLY)
-            os.dup2(devnull, sys.stdout.fileno())
-        return EXIT_PIPE
+        finally:  # argparse's exit (--help, a usage error) too
+            sys.stdout = out
+            guard.flush()
+        return EXIT_PIPE if guard.reader_gone else status
+    except BrokenPipeError as e:  # a socket or a pipe of the command's own broke, not its output
+        _error(str(e))
+        return EXIT_ERROR
     except KeyboardInterrupt:
         return 130
     except Exception as e:
@@ -859,14 +852,50 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_ERROR
 
 
-def _stdout_closed() -> bool:
-    """True when stdout is a pipe whose reader has gone (poll reports an error on its write end)."""
+class _Output:
+    """The command's stdout, which carries on when its reader goes away (``ckpt gc JOB | head -1``).
+
+    A command must finish what it started (``gc`` removing steps and rewriting each index) even when nobody
+    reads its lines any more: once a write finds the reader gone, the rest of the output goes to /dev/null
+    and the command ends with :data:`EXIT_PIPE`, quietly.
+    """
+
+    def __init__(self, stream: Any) -> None:
+        self._stream = stream
+        self.reader_gone = False
+
+    def _guarded(self, fn: Any, *args: Any) -> Any:
+        try:
+            return fn(*args)
+        except BrokenPipeError:
+            if self.reader_gone or not _reader_gone(self._stream):
+                raise
+            self.reader_gone = True
+            # what is still buffered goes to /dev/null from now on, and so does everything after it
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            try:
+                os.dup2(devnull, self._stream.fileno())
+            finally:
+                os.close(devnull)
+            return fn(*args)
+
+    def write(self, text: str) -> int:
+        return self._guarded(self._stream.write, text)
+
+    def flush(self) -> None:
+        self._guarded(self._stream.flush)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)
+
+
+def _reader_gone(stream: Any) -> bool:
+    """True when ``stream`` is a pipe whose reader has gone (poll reports an error on its write end)."""
     import select
 
     try:
-        fd = sys.stdout.fileno()
         poller = select.poll()
-        poller.register(fd, select.POLLOUT)
+        poller.register(stream.fileno(), select.POLLOUT)
         return any(ev & select.POLLERR for _, ev in poller.poll(0))
     except (OSError, ValueError, AttributeError):
         return False

@@ -183,3 +183,20 @@ def test_a_broken_pipe_that_is_not_the_output_is_an_error_line_not_a_quiet_exit(
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env(), timeout=120)
     assert p.returncode == 1, (p.returncode, p.stderr)
     assert p.stderr.strip().splitlines() == ["ckpt: error: [Errno 32] Broken pipe (the agent went away)"], p.stderr
+
+
+def test_gc_into_a_pipe_whose_reader_is_gone_still_finishes_its_work(agent):
+    """gc prints a line per step while it removes them: a reader that went away must not stop it halfway (the
+    rest of the steps kept, the step index not rewritten)."""
+    _save(agent, 5000, [{"data/pos": 1}])
+    memory = MemoryTier(agent)
+    stale = range(600)  # shards with no manifest, older than step 5000: never to be committed; lines > 16 KiB
+    for step in stale:
+        memory.put(keys.shard_key(JOB, step, 0), b"x")
+    r, w = os.pipe()
+    os.close(r)
+    proc = _run_into(["gc", JOB, "--shm", agent], w)
+    os.close(w)
+    _assert_quiet_pipe_exit(proc)
+    left = {keys.parse_key(k).step for k in memory.list(keys.job_prefix(JOB)) if keys.parse_key(k) is not None}
+    assert left == {5000}, sorted(left)[:10]
