@@ -674,10 +674,14 @@ def cmd_restore(a: argparse.Namespace) -> int:
     except ExportError as e:
         raise CliError(str(e)) from None
     out: dict[str, Any] = {}
-    for sh in m.shards:  # JSON values live in the manifest: rank 0's win, else the lowest rank's
+    differ: set[str] = set()
+    for sh in sorted(m.shards, key=lambda sh: sh.rank):  # JSON values live in the manifest: the lowest rank's win
         for e in sh.entries:
-            if isinstance(e, JsonEntry) and (sh.rank == 0 or e.name not in out):
-                out[e.name] = e.value
+            if isinstance(e, JsonEntry):
+                if e.name not in out:
+                    out[e.name] = e.value
+                elif out[e.name] != e.value:
+                    differ.add(e.name)
     with tqdm(total=m.total_bytes, unit="B", unit_scale=True, desc=f"step {m.step}",
               disable=not sys.stderr.isatty() and not a.progress) as bar:
 
@@ -730,6 +734,10 @@ def cmd_restore(a: argparse.Namespace) -> int:
     print(f"restored {job} step {m.step} ({_fmt_bytes(m.total_bytes)}) to {path} as {a.format}")
     for note in written.notes:
         print(f"{a.format}: {note}")
+    if differ:
+        names = sorted(differ)
+        print(f"{len(names)} value(s) differ between ranks; the lowest rank's was written (`ckpt show {job} --step "
+              f"{m.step}` lists each rank's): {', '.join(names[:8])}" + (" …" if len(names) > 8 else ""))
     return 0
 
 

@@ -189,6 +189,38 @@ def test_dcp_export_with_only_model_is_read_by_torchtitans_initial_load(saved, t
     _assert_same_tensors(_model_sd(initial_load(tmp_path / "model")), _model_sd(model))
 
 
+def test_chunks_of_every_rank_are_assembled_into_whole_tensors_and_values_that_differ_are_named(tmp_path):
+    """Three ranks each hand the agent their piece of two tensors and their own value of ``data/pos``: each
+    export holds the whole tensors, and the command says which values differed (the lowest rank's written)."""
+    from procs import start_agent
+    from test_cli_output import JOB as RAW_JOB, _save as save_raw
+
+    shm = str(tmp_path / "shm")
+    agent = start_agent(shm)
+    try:
+        shards = save_raw(shm, 2, [{"data/pos": 10, "data/epoch": 1}, {"data/pos": 11, "data/epoch": 1},
+                                   {"data/pos": 12, "data/epoch": 1}], tensors=2)
+        half = len(shards[0]) // 2
+        want = {f"layers.{i}.weight": torch.frombuffer(bytearray(b"".join(s[i * half:(i + 1) * half]
+                                                                          for s in shards)), dtype=torch.uint8)
+                for i in (0, 1)}
+        flags = ["--shm", shm]
+        p = ckpt_cmd("restore", RAW_JOB, "--to", str(tmp_path / "s"), "--format", "safetensors", "--only", "model",
+                     *flags)
+        assert p.returncode == 0, p.stderr
+        _assert_same_tensors(safetensors_torch.load_file(str(tmp_path / "s" / "model.safetensors")), want)
+        p = ckpt_cmd("restore", RAW_JOB, "--to", str(tmp_path / "t"), "--format", "torch", *flags)
+        assert p.returncode == 0, p.stderr
+        got = torch.load(str(tmp_path / "t" / "checkpoint.pt"), weights_only=True)
+        _assert_same_tensors(got["model"], want)
+        assert got["data"] == {"pos": 10, "epoch": 1}
+        assert "1 value(s) differ between ranks; the lowest rank's was written" in p.stdout, p.stdout
+        assert "data/pos" in p.stdout and "data/epoch" not in p.stdout, p.stdout
+    finally:
+        agent.terminate()
+        agent.wait(60)
+
+
 # ---------------------------------------------------------------------- key layouts
 def test_strip_prefix_takes_a_dotted_dcp_prefix_off_and_from_pretrained_loads_it(tmp_path):
     """Entries named by dotted DCP names (``model.model.layers.0...``, as a DCP storage plug-in writes them):

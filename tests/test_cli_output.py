@@ -26,13 +26,14 @@ JOB = "out"
 MIB = 1 << 20
 
 
-def _stage(shm: str, step: int, rank: int, world: int, values: dict, tensors: int = 1) -> None:
+def _stage(shm: str, step: int, rank: int, world: int, values: dict, tensors: int = 1) -> bytes:
     """Hand the agent ``rank``'s shard of ``step`` (1 MiB) with ``tensors`` uint8 entries and JSON ``values``, as a
-    trainer would."""
+    trainer would: rank r holds the r-th piece of each tensor. Returns the shard's bytes."""
+    data = os.urandom(MIB)
     with AgentClient(socket_path_for(shm)) as c:
         slot = c.call("begin", job=JOB, rank=rank, world=world, nbytes=MIB)["slot"]
         with open(slot, "r+b") as f, mmap.mmap(f.fileno(), MIB) as mm:
-            mm[:] = os.urandom(MIB)
+            mm[:] = data
         n = MIB // tensors
         entries = [{"kind": "tensor", "name": f"model/layers.{i}.weight", "dtype": "uint8",
                     "global_shape": [world * n], "offsets": [rank * n], "shape": [n], "offset": i * n, "nbytes": n}
@@ -40,13 +41,16 @@ def _stage(shm: str, step: int, rank: int, world: int, values: dict, tensors: in
         entries += [{"kind": "json", "name": name, "value": v} for name, v in values.items()]
         c.call("commit", job=JOB, step=step, rank=rank, world=world, slot=slot, nbytes=MIB, entries=entries,
                save_index=step)
+    return data
 
 
-def _save(shm: str, step: int, per_rank: list[dict], tensors: int = 1) -> None:
-    for rank, values in enumerate(per_rank):
-        _stage(shm, step, rank, len(per_rank), values, tensors)
+def _save(shm: str, step: int, per_rank: list[dict], tensors: int = 1) -> list[bytes]:
+    """Step ``step`` of a world of ``len(per_rank)`` ranks, rank r with JSON values ``per_rank[r]``; each rank's
+    shard bytes."""
+    shards = [_stage(shm, step, rank, len(per_rank), values, tensors) for rank, values in enumerate(per_rank)]
     rep = agent_call(shm, "wait", job=JOB, step=step, timeout=120)
     assert rep["done"] and not rep["errors"], rep
+    return shards
 
 
 @pytest.fixture
