@@ -465,7 +465,7 @@ Every run also removes the job's free staging slots from this node's memory
 folder (a slot no committed shard links to; a running trainer leases new ones).
 
 It says what it frees, per tier: the steps removed and their bytes, then the
-total. In the memory tier a committed shard is a second name of the staging slot
+total; --dry-run says the same of what it would free, and removes nothing. In the memory tier a committed shard is a second name of the staging slot
 it was copied into, so its memory comes back only when the slot goes too: the
 memory tier's figure counts the files that left memory (shards, manifests,
 layouts and slots), once each.
@@ -529,52 +529,17 @@ def cmd_gc(a: argparse.Namespace) -> int:
     if explicit and doomed and down and not a.force:
         raise CliError(f"not removing anything: the {', '.join(down)} tier(s) could not be listed, so whether another "
                        "copy is left cannot be told; retry when they answer, or pass --force")
+    dry = a.dry_run
     total_bytes = total_steps = 0
     for i, inv in enumerate(invs):
         if inv.error is not None:
             print(f"nothing freed in {inv.name} ({inv.tier.describe()}): it could not be listed")
             continue
-        held = _memory_files(inv.tier, job) if isinstance(inv.tier, MemoryTier) else None
-        steps = sorted(st for j, st in doomed if j == i)
-        freed = removed = 0
-        gone: set[int] = set()
-        for step in steps:
-            got = _remove(inv.tier, job, step, inv.job(job)[step], stale=not explicit)
-            if got is None:
-                print(f"kept step {step} in {inv.name}: it was committed there meanwhile")
-                continue
-            print(f"removed step {step} from {inv.name} ({_fmt_bytes(got)})")
-            freed += got
-            removed += 1
-            gone.add(step)
-        emptied = a.all and removed == len(inv.job(job))
-        if not emptied:
-            # the index of this place, made to say what the scan found less what was just removed
-            step_index.rebuild(inv.tier, job, {s: st for s, st in inv.job(job).items() if s not in gone})
-        extra = ""
-        if emptied:
-            # every step is gone from this tier: the layouts they named go with them
-            layouts = inv.tier.list(keys.layouts_prefix(job))
-            for k in layouts:
-                with contextlib.suppress(KeyNotFoundError):
-                    freed += inv.tier.stat(k).size
-                inv.tier.delete(k)
-            if step_index.keeps_index(inv.tier):
-                inv.tier.delete(keys.index_key(job))
-            if layouts:
-                extra += f", {len(layouts)} layout object(s)"
-        if held is not None:
-            slots = _slot_count(inv.tier, job)
-            inv.tier.drop_slots(job)
-            after = _memory_files(inv.tier, job)
-            # a committed shard shares its memory with the slot it was staged in: count what left memory
-            freed = sum(n for ino, n in held.items() if ino not in after)
-            dropped = slots - _slot_count(inv.tier, job)
-            if dropped:
-                extra += f", {dropped} staging slot(s)"
+        freed, removed, extra = _gc_place(inv, job, sorted(st for j, st in doomed if j == i), explicit=explicit,
+                                          everything=a.all, dry=dry)
         where = f"{inv.name} ({inv.tier.describe()})"
         if removed or extra:
-            print(f"freed {_fmt_bytes(freed)} in {where}: {removed} step(s){extra}")
+            print(f"{'would free' if dry else 'freed'} {_fmt_bytes(freed)} in {where}: {removed} step(s){extra}")
         else:
             print(f"nothing to free in {where}")
         total_bytes += freed
@@ -582,9 +547,102 @@ def cmd_gc(a: argparse.Namespace) -> int:
     if not doomed:
         print("no step to remove" + ("" if explicit else
                                     ": every step is committed, restorable, or newer than the newest committed"))
-    print(f"freed {_fmt_bytes(total_bytes)} in all: {total_steps} step(s) from "
-          f"{sum(inv.error is None for inv in invs)} tier(s)")
+    print(f"{'would free' if dry else 'freed'} {_fmt_bytes(total_bytes)} in all: {total_steps} step(s) from "
+          f"{sum(inv.error is None for inv in invs)} tier(s)" + (" (dry run: nothing was removed)" if dry else ""))
     return 0
+
+
+def _gc_place(inv: TierInventory, job: str, steps: list[int], *, explicit: bool, everything: bool,
+              dry: bool) -> tuple[int, int, str]:
+    """Remove ``steps`` of ``job`` from one place (with ``dry``: only say what would go); ``(bytes freed, steps
+    removed, what else went: ", N layout object(s), M staging slot(s)")``.
+
+    The memory tier's bytes are what leaves memory: a committed shard is a second name of its staging slot, so
+    files are counted by inode, once, when their last name goes.
+    """
+    tier = inv.tier
+    memory = isinstance(tier, MemoryTier)
+    held = _memory_files(tier, job) if memory else None
+    freed = removed = 0
+    gone: set[int] = set()
+    names: list[str] = []  # the memory folder's files a dry run would remove
+    for step in steps:
+        st = inv.job(job)[step]
+        if dry:
+            got = sum(n for n in st.shards.values() if n > 0) + _size(tier, keys.manifest_key(job, step))
+            if memory:
+                names += [tier.path(k) for k in tier.list(keys.step_prefix(job, step))]
+        else:
+            got = _remove(tier, job, step, st, stale=not explicit)
+        if got is None:
+            print(f"kept step {step} in {inv.name}: it was committed there meanwhile")
+            continue
+        print(f"{'would remove' if dry else 'removed'} step {step} from {inv.name} ({_fmt_bytes(got)})")
+        freed += got
+        removed += 1
+        gone.add(step)
+    emptied = everything and removed == len(inv.job(job))
+    if not emptied and not dry:
+        # the index of this place, made to say what the scan found less what was just removed
+        step_index.rebuild(tier, job, {s: st for s, st in inv.job(job).items() if s not in gone})
+    extra = ""
+    if emptied:
+        # every step is gone from this tier: the layouts they named go with them
+        layouts = tier.list(keys.layouts_prefix(job))
+        for k in layouts:
+            freed += _size(tier, k)
+            if dry and memory:
+                names.append(tier.path(k))
+            elif not dry:
+                tier.delete(k)
+        if step_index.keeps_index(tier):
+            if dry and memory:
+                names.append(tier.path(keys.index_key(job)))
+            elif not dry:
+                tier.delete(keys.index_key(job))
+        if layouts:
+            extra += f", {len(layouts)} layout object(s)"
+    if held is not None:
+        slots = _slot_paths(tier, job)
+        if dry:
+            freed, dropped = _memory_freed_by(names, slots)
+        else:
+            tier.drop_slots(job)
+            after = _memory_files(tier, job)
+            freed = sum(n for ino, n in held.items() if ino not in after)
+            dropped = len(slots) - len(_slot_paths(tier, job))
+        if dropped:
+            extra += f", {dropped} staging slot(s)"
+    return freed, removed, extra
+
+
+def _size(tier: Tier, key: str) -> int:
+    try:
+        return tier.stat(key).size
+    except KeyNotFoundError:
+        return 0
+
+
+def _memory_freed_by(names: list[str], slots: list[str]) -> tuple[int, int]:
+    """``(bytes, slots dropped)`` that removing the files ``names`` and then every free slot of ``slots`` would
+    free: an inode's bytes count once all its names go; a slot is free once no other name links to it."""
+    stats: dict[str, os.stat_result] = {}
+    for n in (*names, *slots):
+        with contextlib.suppress(OSError):
+            stats[n] = os.lstat(n)
+    gone: dict[tuple[int, int], int] = {}
+    for n in names:
+        if n in stats:
+            ino = (stats[n].st_dev, stats[n].st_ino)
+            gone[ino] = gone.get(ino, 0) + 1
+    dropped = 0
+    for n in slots:
+        st = stats.get(n)
+        if st is not None and st.st_nlink - gone.get((st.st_dev, st.st_ino), 0) == 1:
+            gone[(st.st_dev, st.st_ino)] = st.st_nlink
+            dropped += 1
+    sizes = {(st.st_dev, st.st_ino): (st.st_size, st.st_nlink) for st in stats.values()}
+    return sum(size for ino, (size, nlink) in sizes.items() if gone.get(ino, 0) >= nlink), dropped
 
 
 def _memory_files(tier: MemoryTier, job: str) -> dict[tuple[int, int], int]:
@@ -600,13 +658,14 @@ def _memory_files(tier: MemoryTier, job: str) -> dict[tuple[int, int], int]:
     return out
 
 
-def _slot_count(tier: MemoryTier, job: str) -> int:
+def _slot_paths(tier: MemoryTier, job: str) -> list[str]:
+    """Every staging slot file of ``job`` in a memory folder."""
     base = os.path.join(tier.root, ".slots", job)
     try:
-        return sum(len(tier.slots(job, int(d.removeprefix("rank-")))) for d in os.listdir(base)
-                   if d.startswith("rank-") and d.removeprefix("rank-").isdigit())
+        ranks = [d for d in os.listdir(base) if d.startswith("rank-") and d.removeprefix("rank-").isdigit()]
     except OSError:
-        return 0
+        return []
+    return [p for d in ranks for p in tier.slots(job, int(d.removeprefix("rank-")))]
 
 
 def _parse_size(text: str) -> int:
@@ -798,6 +857,8 @@ def build_parser() -> argparse.ArgumentParser:
             sp.add_argument("--all", action="store_true", help="remove every step of the job from every tier shown")
             sp.add_argument("--force", action="store_true",
                             help="with --step/--all: remove even the last restorable copy the tiers shown hold")
+            sp.add_argument("--dry-run", action="store_true",
+                            help="say what would be removed and freed, per tier, and remove nothing")
         _tier_flags(sp)
         sp.set_defaults(fn=fn)
 

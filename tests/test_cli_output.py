@@ -137,9 +137,24 @@ def _fmt(n: int) -> str:
     return _fmt_bytes(n)
 
 
+def _gc(shm: str, *args: str) -> list[str]:
+    """Run ``ckpt gc JOB ARGS`` after a dry run of it, which must remove nothing and say what the run then says it
+    did; the run's lines."""
+    before = _held(shm)
+    dry = ckpt_cmd("gc", JOB, *args, "--shm", shm, "--dry-run", check=True).stdout.splitlines()
+    assert _held(shm) == before, "a dry run removed files"
+    assert dry[-1].endswith(" (dry run: nothing was removed)"), dry
+    real = ckpt_cmd("gc", JOB, *args, "--shm", shm, check=True).stdout.splitlines()
+    said = [ln.replace("would remove ", "removed ").replace("would free ", "freed ") for ln in dry]
+    said[-1] = said[-1].removesuffix(" (dry run: nothing was removed)")
+    assert said == real, (dry, real)
+    return real
+
+
 def test_gc_all_says_how_many_steps_and_bytes_it_frees_from_the_memory_tier_slots_included(tmp_path):
     """A finished job whose memory tier kept one step: its other staging slots hold memory too (free, kept for
-    reuse); gc frees those and says so, and ``gc --all`` frees and counts the rest."""
+    reuse); gc frees those and says so, and ``gc --all`` frees and counts the rest. A dry run says the same and
+    removes nothing."""
     shm = str(tmp_path / "shm")
     proc = start_agent(shm, "--keep-memory", "1")
     try:
@@ -155,23 +170,20 @@ def test_gc_all_says_how_many_steps_and_bytes_it_frees_from_the_memory_tier_slot
         assert held > 2 * MIB and slots > 2, (held, slots)  # more than step 3's two shards: free slots
         layouts = len(memory.list(keys.layouts_prefix(JOB)))
         # no step is stale, but the job's free slots go (the agent leases new ones when a save needs them)
-        p = ckpt_cmd("gc", JOB, "--shm", shm, check=True)
+        lines = _gc(shm)
         kept, kept_slots = _held(shm)
         assert 0 < kept_slots < slots and kept < held, (kept, kept_slots)
-        lines = p.stdout.splitlines()
-        want = f"freed {_fmt(held - kept)} in memory ({shm}): 0 step(s), {slots - kept_slots} staging slot(s)"
-        assert want in lines, p.stdout
-        assert f"freed {_fmt(held - kept)} in all: 0 step(s) from 1 tier(s)" in lines, p.stdout
-        p = ckpt_cmd("gc", JOB, "--shm", shm, check=True)
-        assert f"nothing to free in memory ({shm})" in p.stdout.splitlines(), p.stdout
+        assert f"freed {_fmt(held - kept)} in memory ({shm}): 0 step(s), {slots - kept_slots} staging slot(s)" \
+            in lines, lines
+        assert f"freed {_fmt(held - kept)} in all: 0 step(s) from 1 tier(s)" in lines, lines
+        lines = _gc(shm)
+        assert f"nothing to free in memory ({shm})" in lines, lines
         assert _held(shm) == (kept, kept_slots)
-        p = ckpt_cmd("gc", JOB, "--all", "--force", "--shm", shm, check=True)
+        lines = _gc(shm, "--all", "--force")
         assert _held(shm) == (0, 0), "gc --all left files of the job in the memory folder"
-        lines = p.stdout.splitlines()
-        want = (f"freed {_fmt(kept)} in memory ({shm}): 1 step(s), {layouts} layout object(s), "
-                f"{kept_slots} staging slot(s)")
-        assert want in lines, p.stdout
-        assert f"freed {_fmt(kept)} in all: 1 step(s) from 1 tier(s)" in lines, p.stdout
+        assert (f"freed {_fmt(kept)} in memory ({shm}): 1 step(s), {layouts} layout object(s), "
+                f"{kept_slots} staging slot(s)") in lines, lines
+        assert f"freed {_fmt(kept)} in all: 1 step(s) from 1 tier(s)" in lines, lines
     finally:
         proc.terminate()
         proc.wait(60)
