@@ -465,10 +465,11 @@ Every run also removes the job's free staging slots from this node's memory
 folder (a slot no committed shard links to; a running trainer leases new ones).
 
 It says what it frees, per tier: the steps removed and their bytes, then the
-total; --dry-run says the same of what it would free, and removes nothing. In the memory tier a committed shard is a second name of the staging slot
-it was copied into, so its memory comes back only when the slot goes too: the
-memory tier's figure counts the files that left memory (shards, manifests,
-layouts and slots), once each.
+total; --dry-run says the same of what it would free, and removes nothing. In
+the memory tier a committed shard is a second name of the staging slot it was
+copied into, so its memory comes back only when the slot goes too: the memory
+tier's figure counts the files that left memory (shards, manifests, layouts and
+slots), once each.
 """
 
 
