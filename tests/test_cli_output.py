@@ -20,6 +20,7 @@ from agents.config import socket_path_for
 from agents.protocol import AgentClient
 from procs import agent_call, ckpt_cmd, env, start_agent
 from tiers import keys
+from tiers.index import read_index
 from tiers.memory import MemoryTier
 
 JOB = "out"
@@ -118,6 +119,12 @@ def test_show_piped_into_a_reader_that_stops_after_the_first_line_exits_quietly_
 
 
 # ---------------------------------------------------------------------- gc
+def _files(shm: str) -> set[str]:
+    """The job's files in the memory folder (objects and staging slots), by path."""
+    return {os.path.join(folder, f) for top in (os.path.join(shm, JOB), os.path.join(shm, ".slots", JOB))
+            for folder, _, files in os.walk(top) for f in files}
+
+
 def _held(shm: str) -> tuple[int, int]:
     """(bytes of the job's files in the memory folder, each file's memory counted once; staging slot files)."""
     seen: dict[tuple[int, int], int] = {}
@@ -140,9 +147,9 @@ def _fmt(n: int) -> str:
 def _gc(shm: str, *args: str) -> list[str]:
     """Run ``ckpt gc JOB ARGS`` after a dry run of it, which must remove nothing and say what the run then says it
     did; the run's lines."""
-    before = _held(shm)
+    before = _files(shm)
     dry = ckpt_cmd("gc", JOB, *args, "--shm", shm, "--dry-run", check=True).stdout.splitlines()
-    assert _held(shm) == before, "a dry run removed files"
+    assert _files(shm) == before, "a dry run removed files"
     assert dry[-1].endswith(" (dry run: nothing was removed)"), dry
     real = ckpt_cmd("gc", JOB, *args, "--shm", shm, check=True).stdout.splitlines()
     said = [ln.replace("would remove ", "removed ").replace("would free ", "freed ") for ln in dry]
@@ -163,7 +170,7 @@ def test_gc_all_says_how_many_steps_and_bytes_it_frees_from_the_memory_tier_slot
         memory = MemoryTier(shm)
         deadline = time.monotonic() + 60  # retention trims after the wait is answered
         while {keys.parse_key(k).step for k in memory.list(keys.job_prefix(JOB))
-               if keys.parse_key(k) is not None} != {3}:
+               if keys.parse_key(k) is not None} != {3} or set(read_index(memory, JOB).rows) != {3}:
             assert time.monotonic() < deadline, memory.list(keys.job_prefix(JOB))
             time.sleep(0.05)
         held, slots = _held(shm)
@@ -172,13 +179,14 @@ def test_gc_all_says_how_many_steps_and_bytes_it_frees_from_the_memory_tier_slot
         # no step is stale, but the job's free slots go (the agent leases new ones when a save needs them)
         lines = _gc(shm)
         kept, kept_slots = _held(shm)
+        kept_files = _files(shm)
         assert 0 < kept_slots < slots and kept < held, (kept, kept_slots)
         assert f"freed {_fmt(held - kept)} in memory ({shm}): 0 step(s), {slots - kept_slots} staging slot(s)" \
             in lines, lines
         assert f"freed {_fmt(held - kept)} in all: 0 step(s) from 1 tier(s)" in lines, lines
         lines = _gc(shm)
         assert f"nothing to free in memory ({shm})" in lines, lines
-        assert _held(shm) == (kept, kept_slots)
+        assert _files(shm) == kept_files
         lines = _gc(shm, "--all", "--force")
         assert _held(shm) == (0, 0), "gc --all left files of the job in the memory folder"
         assert (f"freed {_fmt(kept)} in memory ({shm}): 1 step(s), {layouts} layout object(s), "
