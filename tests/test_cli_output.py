@@ -8,6 +8,7 @@ the CLI runs as a user runs it, its output into a real pipe.
 from __future__ import annotations
 
 import fcntl
+import json
 import mmap
 import os
 import subprocess
@@ -15,6 +16,8 @@ import sys
 import time
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from agents.config import socket_path_for
 from agents.protocol import AgentClient
@@ -224,3 +227,32 @@ def test_gc_into_a_pipe_whose_reader_is_gone_still_finishes_its_work(agent):
     _assert_quiet_pipe_exit(proc)
     left = {keys.parse_key(k).step for k in memory.list(keys.job_prefix(JOB)) if keys.parse_key(k) is not None}
     assert left == {5000}, sorted(left)[:10]
+
+
+def _unranges(text: str) -> list[int]:
+    out = []
+    for part in text.split(","):
+        lo, _, hi = part.partition("-")
+        out += list(range(int(lo), int(hi or lo) + 1))
+    return out
+
+
+@given(st.integers(1, 12).flatmap(lambda world: st.tuples(
+    st.just(world), st.dictionaries(st.integers(0, world - 1), st.sampled_from([0, 1, "a", [1, 2], None]),
+                                    min_size=1))))
+def test_show_value_lines_give_back_every_ranks_value(case):
+    from ckpt.cli import _value_lines
+
+    world, by_rank = case
+    lines = _value_lines({"v": by_rank}, world)
+    if len(lines) == 1 and lines[0].startswith("v = "):
+        assert len(by_rank) == world and len({json.dumps(x) for x in by_rank.values()}) == 1, (by_rank, lines)
+        assert all(json.loads(lines[0][4:]) == x for x in by_rank.values())
+        return
+    got = {}
+    for ln in lines:
+        ranks, _, value = ln.removeprefix("v [rank ").partition("] = ")
+        for r in _unranges(ranks):
+            assert r not in got, (by_rank, lines)
+            got[r] = json.loads(value)
+    assert got == by_rank, (by_rank, lines)
