@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 
 import pytest
 import torch
@@ -19,6 +20,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import ckpt
+from agents.config import socket_path_for
 from ckpt._export import ExportError, _cut, dotted, entry_path, lay_out
 from ckpt._flatten import StateError, _join
 from procs import ckpt_cmd
@@ -59,8 +61,15 @@ def _flags(root) -> list[str]:
 
 
 def _save(root, job: str, state: dict) -> None:
-    with ckpt.Checkpointer(job, shm=str(root / "shm"), disk=str(root / "disk")) as ck:
+    """Save ``state`` as step 4 of ``job`` to memory and disk, then wait for the embedded agent to exit, so the
+    exports read folders that nothing changes meanwhile."""
+    shm = str(root / "shm")
+    with ckpt.Checkpointer(job, shm=shm, disk=str(root / "disk"), idle_exit=1) as ck:
         ck.save(STEP, state).wait()
+    deadline = time.monotonic() + 120
+    while os.path.exists(socket_path_for(shm)):  # the agent removes its socket last as it stops
+        assert time.monotonic() < deadline, "the embedded agent did not exit within 120 s of its job's end"
+        time.sleep(0.05)
 
 
 @pytest.fixture(scope="module")
