@@ -41,7 +41,7 @@ from tiers.checksum import checksum_bytes
 from tiers.disk import DiskTier
 from tiers.errors import InvalidNameError, KeyNotFoundError, ManifestError, TierError
 from tiers.layout import Layout
-from tiers.manifest import DTYPE_SIZES, JsonEntry, TensorChunk
+from tiers.manifest import BYTES_DTYPE, DTYPE_SIZES, VALUES_NAME, JsonEntry, TensorChunk, decode_value, parse_spilled
 from tiers.memory import MemoryTier
 
 __all__ = ["main"]
@@ -49,6 +49,11 @@ __all__ = ["main"]
 EXIT_ERROR = 1
 EXIT_USAGE = 2
 EXIT_CORRUPT = 3
+#: a shell's status for a process whose output pipe was closed (128 + SIGPIPE)
+EXIT_PIPE = 141
+
+#: the manifest's dtype name of a raw ``bytes`` value (1-D, stored like uint8)
+RAW_BYTES = BYTES_DTYPE
 
 
 
@@ -303,13 +308,16 @@ def cmd_show(a: argparse.Namespace) -> int:
     print()
     rows = [["name", "dtype", "global shape", "rank: offsets"]]
     tensors: dict[str, list] = {}
-    values: dict[str, Any] = {}
+    values: dict[str, dict[int, Any]] = {}  # name -> rank -> value
+    spilled: list[int] = []  # ranks whose JSON values are in their shard, not the manifest
     for sh in m.shards:
         for e in plan.entries(sh.rank):
-            if isinstance(e, TensorChunk):
+            if isinstance(e, TensorChunk) and e.name == VALUES_NAME:
+                spilled.append(sh.rank)
+            elif isinstance(e, TensorChunk):
                 tensors.setdefault(e.name, []).append((sh.rank, e))
-            elif sh.rank == 0:
-                values[e.name] = e.value
+            else:
+                values.setdefault(e.name, {})[sh.rank] = decode_value(e.value)
     for name, chunks in tensors.items():
         e0 = chunks[0][1]
         where = " ".join(f"{r}:{list(e.offsets)}" for r, e in chunks[:4]) + (" …" if len(chunks) > 4 else "")
@@ -317,9 +325,45 @@ def cmd_show(a: argparse.Namespace) -> int:
     print(_table(rows))
     if values:
         print()
-        for name, v in values.items():
-            print(f"{name} = {json.dumps(v)}")
+        for line in _value_lines(values, m.world):
+            print(line)
+    if spilled:
+        print(f"\nthe JSON values of {_ranks(spilled)} are too many for the manifest and are kept in the shard "
+              f"(`ckpt restore {job} --step {m.step} --format torch` exports them)")
     return 0
+
+
+def _ranks(ranks: list[int]) -> str:
+    return f"rank {ranks[0]}" if len(ranks) == 1 else f"{len(ranks)} ranks ({', '.join(map(str, ranks[:6]))}" \
+        + (" …)" if len(ranks) > 6 else ")")
+
+
+def _value_lines(values: dict[str, dict[int, Any]], world: int) -> list[str]:
+    """``ckpt show``'s JSON values: ``name = v`` when every rank holds the same value, else one line per
+    distinct value naming the ranks that hold it (``name [rank 1,3] = v``)."""
+    lines = []
+    for name, by_rank in values.items():
+        groups: dict[str, list[int]] = {}
+        for rank, v in sorted(by_rank.items()):
+            groups.setdefault(json.dumps(v, sort_keys=True), []).append(rank)
+        if len(groups) == 1 and len(by_rank) == world:
+            lines.append(f"{name} = {next(iter(groups))}")
+            continue
+        for text, ranks in groups.items():
+            lines.append(f"{name} [rank {_ranges(ranks)}] = {text}")
+    return lines
+
+
+def _ranges(ranks: list[int]) -> str:
+    """``[0, 1, 2, 5]`` -> ``0-2,5``."""
+    out, i = [], 0
+    while i < len(ranks):
+        j = i
+        while j + 1 < len(ranks) and ranks[j + 1] == ranks[j] + 1:
+            j += 1
+        out.append(str(ranks[i]) if i == j else f"{ranks[i]}-{ranks[j]}")
+        i = j + 1
+    return ",".join(out)
 
 
 def _layout_problems(inv: TierInventory, job: str, m: Any, ranks: set[int],
@@ -427,6 +471,16 @@ places), nor a step newer than the newest committed one (it may be in flight).
 nothing, when that would remove the last restorable copy the tiers shown hold,
 or when a tier could not be listed; --force removes them anyway. Tiers of other
 nodes that this command does not show may hold the only copy of their shards.
+
+Every run also removes the job's free staging slots from this node's memory
+folder (a slot no committed shard links to; a running trainer leases new ones).
+
+It says what it frees, per tier: the steps removed and their bytes, then the
+total; --dry-run says the same of what it would free, and removes nothing. In
+the memory tier a committed shard is a second name of the staging slot it was
+copied into, so its memory comes back only when the slot goes too: the memory
+tier's figure counts the files that left memory (shards, manifests, layouts and
+slots), once each.
 """
 
 
@@ -487,65 +541,143 @@ def cmd_gc(a: argparse.Namespace) -> int:
     if explicit and doomed and down and not a.force:
         raise CliError(f"not removing anything: the {', '.join(down)} tier(s) could not be listed, so whether another "
                        "copy is left cannot be told; retry when they answer, or pass --force")
+    dry = a.dry_run
+    total_bytes = total_steps = 0
     for i, inv in enumerate(invs):
-        steps = sorted(st for j, st in doomed if j == i)
-        freed = removed = 0
-        gone: set[int] = set()
-        for step in steps:
-            got = _remove(inv.tier, job, step, inv.job(job)[step], stale=not explicit)
-            if got is None:
-                print(f"kept step {step} in {inv.name}: it was committed there meanwhile")
-                continue
-            print(f"removed step {step} from {inv.name} ({_fmt_bytes(got)})")
-            freed += got
-            removed += 1
-            gone.add(step)
-        emptied = a.all and inv.error is None and removed == len(inv.job(job))
-        if inv.error is None and not emptied:
-            # the index of this place, made to say what the scan found less what was just removed
-            step_index.rebuild(inv.tier, job, {s: st for s, st in inv.job(job).items() if s not in gone})
-        if removed:
-            print(f"freed {_fmt_bytes(freed)} in {inv.name} ({inv.tier.describe()}): {removed} step(s)")
-        if emptied:
-            # every step is gone from this tier: the layouts they named go with them
-            layouts = inv.tier.list(keys.layouts_prefix(job))
-            for k in layouts:
-                inv.tier.delete(k)
-            if step_index.keeps_index(inv.tier):
-                inv.tier.delete(keys.index_key(job))
-            if layouts:
-                print(f"removed {len(layouts)} layout object(s) of {job} from {inv.name}")
-        if isinstance(inv.tier, MemoryTier) and inv.error is None:
-            inv.tier.drop_slots(job)
+        if inv.error is not None:
+            print(f"nothing freed in {inv.name} ({inv.tier.describe()}): it could not be listed")
+            continue
+        freed, removed, extra = _gc_place(inv, job, sorted(st for j, st in doomed if j == i), explicit=explicit,
+                                          everything=a.all, dry=dry)
+        where = f"{inv.name} ({inv.tier.describe()})"
+        if removed or extra:
+            print(f"{'would free' if dry else 'freed'} {_fmt_bytes(freed)} in {where}: {removed} step(s){extra}")
+        else:
+            print(f"nothing to free in {where}")
+        total_bytes += freed
+        total_steps += removed
     if not doomed:
-        print("nothing to remove" + ("" if explicit else
-                                     ": every step is committed, restorable, or newer than the newest committed"))
+        print("no step to remove" + ("" if explicit else
+                                    ": every step is committed, restorable, or newer than the newest committed"))
+    print(f"{'would free' if dry else 'freed'} {_fmt_bytes(total_bytes)} in all: {total_steps} step(s) from "
+          f"{sum(inv.error is None for inv in invs)} tier(s)" + (" (dry run: nothing was removed)" if dry else ""))
     return 0
 
 
-def _unescape(seg: str) -> Any:
-    if seg.startswith("~i"):
-        return int(seg[2:])
-    return seg.replace("~1", "/").replace("~0", "~")
+def _gc_place(inv: TierInventory, job: str, steps: list[int], *, explicit: bool, everything: bool,
+              dry: bool) -> tuple[int, int, str]:
+    """Remove ``steps`` of ``job`` from one place (with ``dry``: only say what would go); ``(bytes freed, steps
+    removed, what else went: ", N layout object(s), M staging slot(s)")``.
+
+    The memory tier's bytes are what leaves memory: a committed shard is a second name of its staging slot, so
+    files are counted by inode, once, when their last name goes.
+    """
+    tier = inv.tier
+    memory = isinstance(tier, MemoryTier)
+    held = _memory_files(tier, job) if memory else None
+    freed = removed = 0
+    gone: set[int] = set()
+    names: list[str] = []  # the memory folder's files a dry run would remove
+    for step in steps:
+        st = inv.job(job)[step]
+        if dry:
+            got = sum(n for n in st.shards.values() if n > 0) + _size(tier, keys.manifest_key(job, step))
+            if memory:
+                names += [tier.path(k) for k in tier.list(keys.step_prefix(job, step))]
+        else:
+            got = _remove(tier, job, step, st, stale=not explicit)
+        if got is None:
+            print(f"kept step {step} in {inv.name}: it was committed there meanwhile")
+            continue
+        print(f"{'would remove' if dry else 'removed'} step {step} from {inv.name} ({_fmt_bytes(got)})")
+        freed += got
+        removed += 1
+        gone.add(step)
+    emptied = everything and removed == len(inv.job(job))
+    if not emptied and not dry:
+        # the index of this place, made to say what the scan found less what was just removed
+        step_index.rebuild(tier, job, {s: st for s, st in inv.job(job).items() if s not in gone})
+    extra = ""
+    if emptied:
+        # every step is gone from this tier: the layouts they named go with them
+        layouts = tier.list(keys.layouts_prefix(job))
+        for k in layouts:
+            freed += _size(tier, k)
+            if dry and memory:
+                names.append(tier.path(k))
+            elif not dry:
+                tier.delete(k)
+        if step_index.keeps_index(tier):
+            if dry and memory:
+                names.append(tier.path(keys.index_key(job)))
+            elif not dry:
+                tier.delete(keys.index_key(job))
+        if layouts:
+            extra += f", {len(layouts)} layout object(s)"
+    if held is not None:
+        slots = _slot_paths(tier, job)
+        if dry:
+            freed, dropped = _memory_freed_by(names, slots)
+        else:
+            tier.drop_slots(job)
+            after = _memory_files(tier, job)
+            freed = sum(n for ino, n in held.items() if ino not in after)
+            dropped = len(slots) - len(_slot_paths(tier, job))
+        if dropped:
+            extra += f", {dropped} staging slot(s)"
+    return freed, removed, extra
 
 
-def _nest(flat: dict[str, Any]) -> dict:
-    root: dict = {}
-    for name, v in flat.items():
-        parts = [_unescape(p) for p in name.split("/")]
-        d = root
-        for p in parts[:-1]:
-            d = d.setdefault(p, {})
-        d[parts[-1]] = v
+def _size(tier: Tier, key: str) -> int:
+    try:
+        return tier.stat(key).size
+    except KeyNotFoundError:
+        return 0
 
-    def lists(x: Any) -> Any:
-        if isinstance(x, dict):
-            x = {k: lists(v) for k, v in x.items()}
-            if x and all(isinstance(k, int) for k in x) and sorted(x) == list(range(len(x))):
-                return [x[i] for i in range(len(x))]
-        return x
 
-    return lists(root)
+def _memory_freed_by(names: list[str], slots: list[str]) -> tuple[int, int]:
+    """``(bytes, slots dropped)`` that removing the files ``names`` and then every free slot of ``slots`` would
+    free: an inode's bytes count once all its names go; a slot is free once no other name links to it."""
+    stats: dict[str, os.stat_result] = {}
+    for n in (*names, *slots):
+        with contextlib.suppress(OSError):
+            stats[n] = os.lstat(n)
+    gone: dict[tuple[int, int], int] = {}
+    for n in names:
+        if n in stats:
+            ino = (stats[n].st_dev, stats[n].st_ino)
+            gone[ino] = gone.get(ino, 0) + 1
+    dropped = 0
+    for n in slots:
+        st = stats.get(n)
+        if st is not None and st.st_nlink - gone.get((st.st_dev, st.st_ino), 0) == 1:
+            gone[(st.st_dev, st.st_ino)] = st.st_nlink
+            dropped += 1
+    sizes = {(st.st_dev, st.st_ino): (st.st_size, st.st_nlink) for st in stats.values()}
+    return sum(size for ino, (size, nlink) in sizes.items() if gone.get(ino, 0) >= nlink), dropped
+
+
+def _memory_files(tier: MemoryTier, job: str) -> dict[tuple[int, int], int]:
+    """``(device, inode) -> bytes`` of every file of ``job`` in a memory folder: its objects and its staging
+    slots (a committed shard is a second name of its slot's file, so memory is counted once per inode)."""
+    out: dict[tuple[int, int], int] = {}
+    for top in (os.path.join(tier.root, job), os.path.join(tier.root, ".slots", job)):
+        for folder, _, files in os.walk(top):
+            for f in files:
+                with contextlib.suppress(OSError):
+                    st = os.lstat(os.path.join(folder, f))
+                    out[(st.st_dev, st.st_ino)] = st.st_size
+    return out
+
+
+def _slot_paths(tier: MemoryTier, job: str) -> list[str]:
+    """Every staging slot file of ``job`` in a memory folder."""
+    base = os.path.join(tier.root, ".slots", job)
+    try:
+        ranks = [d for d in os.listdir(base) if d.startswith("rank-") and d.removeprefix("rank-").isdigit()]
+    except OSError:
+        return []
+    return [p for d in ranks for p in tier.slots(job, int(d.removeprefix("rank-")))]
 
 
 def _parse_size(text: str) -> int:
@@ -566,11 +698,38 @@ def _anon_buffer(n: int) -> memoryview:
     return memoryview(mmap.mmap(-1, n) if n else bytearray(0))
 
 
+RESTORE_HELP = """\
+Fetch a step from the fastest tiers that hold it, assemble every rank's chunks into
+whole tensors, and write them where a loader reads them:
+
+  dcp          a folder that torch.distributed.checkpoint.load reads (and torchtitan's
+               --checkpoint.initial_load_path, with model-only keys: --only model)
+  torch        OUT/checkpoint.pt, which torch.load(path, weights_only=True) reads
+  safetensors  OUT/model.safetensors (safetensors.torch.load_file; transformers'
+               from_pretrained(OUT) once OUT also holds the model's config.json).
+               safetensors holds tensors only: JSON values go into the file's metadata
+               as one JSON object under "tierckpt.values"; bytes values are left out.
+               The command says which.
+
+Keys: each entry's path joined with '.', as DCP and transformers name parameters
+(a state {"model": model, "optim": optim} gives model.layers.0.weight, optim.state...).
+  --only model           keeps model.* and takes "model." off (layers.0.weight)
+  --strip-prefix PREFIX  takes PREFIX off every key that has it and keeps the rest
+The dcp and torch formats keep the nesting of the state (dicts; lists as saved);
+bytes values are written as Python bytes.
+"""
+
+
 def cmd_restore(a: argparse.Namespace) -> int:
     import torch
     from tqdm import tqdm
 
-    from ckpt._tensors import dtype_of as _dtype
+    from ckpt._export import ExportError, check_dtypes, dotted, lay_out, write_export
+    from ckpt._tensors import dtype_of
+
+    def _dtype(name: str) -> torch.dtype:
+        # a raw bytes value is stored as uint8 and handed over as ``bytes`` below
+        return torch.uint8 if name == RAW_BYTES else dtype_of(name)
 
     job = keys.check_job(a.job)
     s = _settings(a)
@@ -578,11 +737,20 @@ def cmd_restore(a: argparse.Namespace) -> int:
     costs, costs_path = node_costs(s.shm, invs)
     plan = plan_restore(invs, job, a.step, costs=costs)
     m = plan.manifest
+    try:  # a key layout that matches nothing, or a dtype the format cannot hold, is refused before any fetch
+        laid = lay_out({e.name: e for sh in m.shards for e in plan.entries(sh.rank) if e.name != VALUES_NAME},
+                       only=a.only, strip_prefix=a.strip_prefix)
+        check_dtypes({dotted(p): _dtype(e.dtype) for p, e in laid.items()
+                      if isinstance(e, TensorChunk) and e.dtype != RAW_BYTES}, a.format)
+    except ExportError as e:
+        raise CliError(str(e)) from None
     out: dict[str, Any] = {}
-    for sh in m.shards:  # JSON values live in the manifest: rank 0's win, else the lowest rank's
+    differ: set[str] = set()
+    per_rank: dict[int, dict[str, Any]] = {}  # values (JSON and bytes) of each rank: the lowest rank's win
+    for sh in m.shards:
         for e in sh.entries:
-            if isinstance(e, JsonEntry) and (sh.rank == 0 or e.name not in out):
-                out[e.name] = e.value
+            if isinstance(e, JsonEntry):
+                per_rank.setdefault(sh.rank, {})[e.name] = decode_value(e.value)
     with tqdm(total=m.total_bytes, unit="B", unit_scale=True, desc=f"step {m.step}",
               disable=not sys.stderr.isatty() and not a.progress) as bar:
 
@@ -591,6 +759,17 @@ def cmd_restore(a: argparse.Namespace) -> int:
             buf = torch.frombuffer(view, dtype=torch.uint8) if sh.size else torch.empty(0, dtype=torch.uint8)
             for e in plan.entries(rank):
                 if isinstance(e, JsonEntry):
+                    continue
+                if e.dtype == BYTES_DTYPE:  # a bytes value, or the rank's JSON values kept in its shard
+                    raw = bytes(view[e.offset: e.offset + e.nbytes])
+                    if e.name == VALUES_NAME:
+                        try:
+                            spilled = parse_spilled(raw, f"values of rank {rank}")
+                        except ManifestError as err:
+                            raise CliError(str(err)) from None
+                        per_rank.setdefault(rank, {}).update((v.name, decode_value(v.value)) for v in spilled)
+                    else:
+                        per_rank.setdefault(rank, {})[e.name] = raw
                     continue
                 full = out.get(e.name)
                 if full is None:
@@ -617,16 +796,17 @@ def cmd_restore(a: argparse.Namespace) -> int:
                 except OSError as e:
                     print(f"ckpt: warning: could not save the learned restore costs to {costs_path}: {e}",
                           file=sys.stderr)
-    state = _nest(out)
-    os.makedirs(a.to, exist_ok=True)
-    if a.format == "torch":
-        path = os.path.join(a.to, "checkpoint.pt")
-        torch.save(state, path)
-    else:
-        import torch.distributed.checkpoint as dcp
-
-        dcp.save(state, storage_writer=dcp.FileSystemWriter(a.to), no_dist=True)
-        path = a.to
+    for rank in sorted(per_rank):
+        for name, v in per_rank[rank].items():
+            if name not in out:
+                out[name] = v
+            elif out[name] != v:
+                differ.add(name)
+    try:
+        written = write_export(lay_out(out, only=a.only, strip_prefix=a.strip_prefix), a.format, a.to)
+    except ExportError as e:
+        raise CliError(str(e)) from None
+    path = written.path
     # "estimated" is what the cost model expected of the first place it planned for the shard
     rows = [["rank", "tier", "source", "size", "seconds", "estimated", "GB/s"]]
     for r in sources:
@@ -635,6 +815,12 @@ def cmd_restore(a: argparse.Namespace) -> int:
                      "-" if est is None else f"{est:.3g}", f"{r.gbps:.2f}"])
     print(_table(rows))
     print(f"restored {job} step {m.step} ({_fmt_bytes(m.total_bytes)}) to {path} as {a.format}")
+    for note in written.notes:
+        print(f"{a.format}: {note}")
+    if differ:
+        names = sorted(differ)
+        print(f"{len(names)} value(s) differ between ranks; the lowest rank's was written (`ckpt show {job} --step "
+              f"{m.step}` lists each rank's): {', '.join(names[:8])}" + (" …" if len(names) > 8 else ""))
     return 0
 
 
@@ -695,14 +881,21 @@ def build_parser() -> argparse.ArgumentParser:
             sp.add_argument("--all", action="store_true", help="remove every step of the job from every tier shown")
             sp.add_argument("--force", action="store_true",
                             help="with --step/--all: remove even the last restorable copy the tiers shown hold")
+            sp.add_argument("--dry-run", action="store_true",
+                            help="say what would be removed and freed, per tier, and remove nothing")
         _tier_flags(sp)
         sp.set_defaults(fn=fn)
 
-    rs = sub.add_parser("restore", help="export a step to a folder as DCP or torch.save")
+    rs = sub.add_parser("restore", help="export a step to a folder as DCP, torch.save or safetensors",
+                        description=RESTORE_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
     rs.add_argument("job")
     rs.add_argument("--step", type=int)
     rs.add_argument("--to", required=True, help="output folder")
-    rs.add_argument("--format", choices=("dcp", "torch"), default="dcp")
+    rs.add_argument("--format", choices=("dcp", "torch", "safetensors"), default="dcp")
+    rs.add_argument("--only", metavar="NAME",
+                    help="export only the entries under the top-level entry NAME, with NAME. taken off their keys")
+    rs.add_argument("--strip-prefix", metavar="PREFIX",
+                    help="take PREFIX off every key that starts with it (keys: entry paths joined with '.')")
     rs.add_argument("--progress", action="store_true", help="show the progress bar even when not on a terminal")
     rs.add_argument("--max-memory", type=_parse_size, default=1 << 30, metavar="SIZE",
                     help="most shard bytes held at once while fetching in parallel (bytes, or 512MiB, 4GiB; "
@@ -727,20 +920,21 @@ def main(argv: list[str] | None = None) -> int:
 
     Every failure reaches the user as one line on stderr (``ckpt: error: ...``) and a non-zero status:
     2 for unusable flags or settings, 3 when a shard or step is damaged, 1 for anything else (130 on
-    Ctrl-C). An error this module does not expect is printed the same way, with its type; set
-    ``CKPT_TRACEBACK=1`` to get the traceback instead.
+    Ctrl-C). An output pipe closed by its reader (``ckpt list JOB | head -1``) ends the command quietly
+    with status 141, as a shell reports a writer stopped by SIGPIPE. An error this module does not expect
+    is printed the same way, with its type; set ``CKPT_TRACEBACK=1`` to get the traceback instead.
     """
+    out = sys.stdout
+    guard = sys.stdout = _Output(out)
     try:
-        status = _run(argv)
-        sys.stdout.flush()  # here, not at exit: a reader that went away is reported like any other error
-        return status
-    except BrokenPipeError:
-        # whoever read our output stopped (``| head``): nothing more can reach stdout, and the interpreter's
-        # flush at exit must not print a traceback about it
-        with contextlib.suppress(OSError):
-            devnull = os.open(os.devnull, os.O_WRONLY)
-            os.dup2(devnull, sys.stdout.fileno())
-        _error("the output was closed before everything was written (broken pipe)")
+        try:
+            status = _run(argv)
+        finally:  # argparse's exit (--help, a usage error) too
+            sys.stdout = out
+            guard.flush()
+        return EXIT_PIPE if guard.reader_gone else status
+    except BrokenPipeError as e:  # a socket or a pipe of the command's own broke, not its output
+        _error(str(e))
         return EXIT_ERROR
     except KeyboardInterrupt:
         return 130
@@ -749,6 +943,55 @@ def main(argv: list[str] | None = None) -> int:
             raise
         _error(f"unexpected {type(e).__name__}: {e} (set CKPT_TRACEBACK=1 to see where)")
         return EXIT_ERROR
+
+
+class _Output:
+    """The command's stdout, which carries on when its reader goes away (``ckpt gc JOB | head -1``).
+
+    A command must finish what it started (``gc`` removing steps and rewriting each index) even when nobody
+    reads its lines any more: once a write finds the reader gone, the rest of the output goes to /dev/null
+    and the command ends with :data:`EXIT_PIPE`, quietly.
+    """
+
+    def __init__(self, stream: Any) -> None:
+        self._stream = stream
+        self.reader_gone = False
+
+    def _guarded(self, fn: Any, *args: Any) -> Any:
+        try:
+            return fn(*args)
+        except BrokenPipeError:
+            if self.reader_gone or not _reader_gone(self._stream):
+                raise
+            self.reader_gone = True
+            # what is still buffered goes to /dev/null from now on, and so does everything after it
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            try:
+                os.dup2(devnull, self._stream.fileno())
+            finally:
+                os.close(devnull)
+            return fn(*args)
+
+    def write(self, text: str) -> int:
+        return self._guarded(self._stream.write, text)
+
+    def flush(self) -> None:
+        self._guarded(self._stream.flush)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)
+
+
+def _reader_gone(stream: Any) -> bool:
+    """True when ``stream`` is a pipe whose reader has gone (poll reports an error on its write end)."""
+    import select
+
+    try:
+        poller = select.poll()
+        poller.register(stream.fileno(), select.POLLOUT)
+        return any(ev & select.POLLERR for _, ev in poller.poll(0))
+    except (OSError, ValueError, AttributeError):
+        return False
 
 
 def _error(message: str) -> None:
