@@ -125,7 +125,7 @@ def main() -> int:
             for run in range(a.runs + 1):
                 for name, plan in plans.items():
                     t0 = time.perf_counter()
-                    report = ck._load(plan, target)
+                    report = ck._loader.load(plan, target)
                     took = time.perf_counter() - t0
                     assert report.tier == name, report
                     if run:

@@ -196,6 +196,7 @@ class DcpWriter(StorageWriter):
         # and async saves in flight at once run on threads of their own
         self._save = threading.local()
         self._staged: list[_Staged] = []
+        self._rooms: dict[tuple, int] = {}  # see _room_for
         self._writing = 0  # write_data calls under way
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)  # notified when a staged save is written or dropped
@@ -323,6 +324,30 @@ class DcpWriter(StorageWriter):
         except Exception:
             pass  # raised by the write that takes it
 
+    def _room_for(self, x: Any) -> int:
+        """Bytes to reserve for DCP's serialisation of the value ``x`` (it ``torch.save``s it), with slack.
+
+        Measured once per distinct small hashable value: an optimizer container's state holds thousands of
+        values (each parameter's ``lr``, ``betas``, ...) but few distinct ones, and a ``torch.save`` each save
+        cost 0.2 s of the blocking time for 1,800 of them."""
+        key = None
+        if isinstance(x, (int, float, bool, str, tuple, type(None))) and len(repr(x)) <= 256:
+            try:
+                key = (type(x), x, repr(x))
+                hash(key)
+            except TypeError:
+                key = None
+        if key is not None:
+            got = self._rooms.get(key)
+            if got is not None:
+                return got
+        b = io.BytesIO()
+        torch.save(x, b)  # what DCP's planner will write for it, give or take a few bytes
+        n = _aligned(len(b.getbuffer()) + len(b.getbuffer()) // 4 + 512)
+        if key is not None and len(self._rooms) < 65536:
+            self._rooms[key] = n
+        return n
+
     def _stage(self, state_dict: dict) -> dict:
         """Lease a slot, lay out ``state_dict``'s tensors in it, copy them (guarded ones in the background);
         return the staged state dict."""
@@ -350,9 +375,7 @@ class DcpWriter(StorageWriter):
                 for v in x:
                     plan(v)
             else:
-                b = io.BytesIO()
-                torch.save(x, b)  # what DCP's planner will write for it, give or take a few bytes
-                room += _aligned(len(b.getbuffer()) + len(b.getbuffer()) // 4 + 512)
+                room += self._room_for(x)
 
         plan(state_dict)
         off = 0

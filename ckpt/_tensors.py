@@ -7,7 +7,7 @@ from typing import Callable
 
 import torch
 
-__all__ = ["dtype_name", "dtype_of", "buffer_view", "buffer_allocator"]
+__all__ = ["dtype_name", "dtype_of", "buffer_view", "buffer_allocator", "local_chunk"]
 
 
 def dtype_name(dt: torch.dtype) -> str:
@@ -19,7 +19,7 @@ def dtype_of(name: str) -> torch.dtype:
     """The torch dtype a manifest names; KeyError (with the name) if this torch has none."""
     dt = getattr(torch, name, None)
     if not isinstance(dt, torch.dtype):
-        from .checkpointer import StateMismatchError
+        from ._load import StateMismatchError
 
         raise StateMismatchError(f"checkpoint holds dtype {name!r}, unknown to this torch")
     return dt
@@ -39,3 +39,16 @@ def buffer_allocator(keep: list[torch.Tensor]) -> Callable[[int], memoryview]:
         return buffer_view(t.data_ptr(), n)
 
     return alloc
+
+
+def local_chunk(t: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...], tuple[int, ...]]:
+    """(local tensor, global shape, offsets of the local chunk)."""
+    if hasattr(t, "to_local"):
+        if hasattr(t, "global_tensor"):  # torch-xla's XLAShardedTensor: saved whole (see ckpt._devices.xla)
+            return t.global_tensor, tuple(t.shape), (0,) * t.dim()
+        if hasattr(t, "placements"):
+            local = t.to_local()
+            chunks = t.__create_chunk_list__()
+            offsets = tuple(chunks[0].offsets) if chunks else (0,) * t.dim()
+            return local, tuple(t.shape), offsets
+    return t, tuple(t.shape), (0,) * t.dim()

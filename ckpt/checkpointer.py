@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import contextlib
-import dataclasses
 import json
 import logging
 import mmap
@@ -37,7 +36,7 @@ import threading
 import time
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -47,7 +46,7 @@ from agents.launch import connect_or_spawn, wait_stopped
 from agents.replication import placement_partners
 from agents.protocol import AgentClient, AgentError, AgentUnreachableError
 from agents.tierset import disk_tier, memory_tier, peer_tiers, s3_tier
-from recovery import RestorePlan, ShardReport, node_costs, open_shard, plan_restore, scan_tiers, source_name
+from recovery import ShardReport, node_costs, plan_restore, scan_tiers
 from recovery.fetch import ShardUnavailableError
 from recovery.inventory import TierInventory
 from recovery.planner import (RestoreError, StepNotFoundError, committed_steps, describe_step, manifest_for,
@@ -56,13 +55,13 @@ from tiers import keys
 from tiers.base import Tier
 from tiers.errors import ManifestError, TierError
 from tiers.layout import Layout
-from tiers.manifest import BYTES_DTYPE, SPILL_BYTES, VALUES_NAME, JsonEntry, TensorChunk, parse_spilled
+from tiers.manifest import BYTES_DTYPE, SPILL_BYTES, VALUES_NAME, TensorChunk
 
 from ._devices import DeviceAdapter, Item, make_adapter
 from . import _guard
-from ._flatten import Flat, Leaf, decode_value, encode_value, flatten_state
-from ._tensors import buffer_allocator, buffer_view as _buffer_view, dtype_name as _dtype_name
-from ._tensors import dtype_of as _dtype
+from ._flatten import Flat, encode_value, flatten_state
+from ._load import ShardLoader, StateMismatchError, kept
+from ._tensors import dtype_name as _dtype_name, local_chunk
 
 __all__ = ["Checkpointer", "SaveFuture", "RestoreReport", "CheckpointError", "RestoreError", "StateMismatchError"]
 
@@ -74,84 +73,11 @@ class CheckpointError(RuntimeError):
     """A save failed in the background (staging, the agent, or writing to a tier)."""
 
 
-class StateMismatchError(KeyError):
-    """The state to restore into does not match the checkpoint (missing names, other shapes or dtypes)."""
-
-    def __str__(self) -> str:
-        return str(self.args[0]) if self.args else ""
-
-
-#: bytes one copier thread reads before the restore hashes them (large enough that per-batch overhead is
-#: small, small enough that hashing the last batch after the reads end is short)
-_READ_BATCH = 16 << 20
-
-
-@contextlib.contextmanager
-def _direct_reader(tier: Tier, key: str, size: int):
-    """A function that fills a batch of contiguous ``(offset, view)`` pieces of ``key`` from ``tier`` without a
-    buffer of its own, or None when the tier cannot: ``preadv`` from the tier's local file, or the tier's
-    ranged reads (one request per batch)."""
-    path = getattr(tier, "local_file", lambda k: None)(key)
-    if path is not None:
-        try:
-            fd = os.open(path, os.O_RDONLY)
-        except OSError:
-            yield None
-            return
-        try:
-            found = os.fstat(fd).st_size
-            if found != size:
-                # a damaged copy: the direct load fails on it and moves on to the next place
-                def read_batch(batch: list[tuple[int, memoryview]]) -> None:
-                    raise OSError(f"{path} is {found} bytes, the manifest says {size}")
-            else:
-                def read_batch(batch: list[tuple[int, memoryview]]) -> None:
-                    for at, mv in batch:
-                        done = 0
-                        while done < len(mv):
-                            n = os.preadv(fd, [mv[done:]], at + done)
-                            if n <= 0:
-                                raise OSError(f"{path} ended early")
-                            done += n
-            yield read_batch
-        finally:
-            os.close(fd)
-        return
-    ranges = getattr(tier, "read_ranges", None)
-    if ranges is None:
-        yield None
-        return
-    yield lambda batch: ranges(key, batch)
-
-
 def _min_over_ranks(value: int) -> int:
     """The smallest of every rank's ``value`` (a collective: every rank calls it at the same point)."""
     t = torch.tensor([value], dtype=torch.int64)
     dist.all_reduce(t, op=dist.ReduceOp.MIN)
     return int(t.item())
-
-
-@contextlib.contextmanager
-def _kept(state: dict):
-    """Put the state's CPU tensors back as they were if the block raises.
-
-    A restore reads straight into CPU tensors and verifies the bytes as they land, so a damaged copy
-    is found only once it has overwritten them: they are copied first (one copy of them in host memory,
-    for as long as the block runs). Other tensors are written only after their bytes are verified.
-    """
-    saved = []
-    for leaf in flatten_state(state, for_restore=True).leaves:
-        if leaf.tensor is not None:
-            local = _local(leaf.tensor)[0]
-            if local.is_cpu and local.numel():
-                saved.append((local, local.detach().clone()))
-    try:
-        yield
-    except BaseException:
-        with torch.no_grad():
-            for local, old in saved:
-                local.copy_(old)
-        raise
 
 
 def _warn_restart_store(rank: int) -> None:
@@ -174,19 +100,6 @@ def _warn_restart_store(rank: int) -> None:
                       "their process group (pytorch/pytorch#135712); launch torchrun with "
                       "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 so each restart can resume from the checkpoint",
                       RuntimeWarning, stacklevel=3)
-
-
-def _local(t: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...], tuple[int, ...]]:
-    """(local tensor, global shape, offsets of the local chunk)."""
-    if hasattr(t, "to_local"):
-        if hasattr(t, "global_tensor"):  # torch-xla's XLAShardedTensor: saved whole (see ckpt._devices.xla)
-            return t.global_tensor, tuple(t.shape), (0,) * t.dim()
-        if hasattr(t, "placements"):
-            local = t.to_local()
-            chunks = t.__create_chunk_list__()
-            offsets = tuple(chunks[0].offsets) if chunks else (0,) * t.dim()
-            return local, tuple(t.shape), offsets
-    return t, tuple(t.shape), (0,) * t.dim()
 
 
 @dataclass
@@ -301,6 +214,7 @@ class Checkpointer:
         self._pool = cf.ThreadPoolExecutor(1, thread_name_prefix="tierckpt-stage")
         self._copiers = [cf.ThreadPoolExecutor(1, thread_name_prefix=f"tierckpt-copy{i}")
                          for i in range(max(1, min(4, torch.get_num_threads())))]
+        self._loader = ShardLoader(self.rank, verify, self._copiers, self._device)
         self._maps: dict[str, tuple[int, mmap.mmap, torch.Tensor | None]] = {}
         self._map_ino: dict[str, int] = {}
         self._map_lock = threading.Lock()
@@ -700,7 +614,7 @@ class Checkpointer:
             if leaf.tensor is None:
                 values.append([leaf.name, encode_value(leaf.value)])
                 continue
-            local, gshape, offsets = _local(leaf.tensor)
+            local, gshape, offsets = local_chunk(leaf.tensor)
             if local.requires_grad:  # state-dict entries come detached; on XLA a detach is a traced op
                 local = local.detach()
             n = local.numel() * local.element_size()
@@ -1000,11 +914,11 @@ class Checkpointer:
                 if not others:
                     raise
                 whole = plan_restore(invs + scan_tiers(others, self.job), self.job, agreed, costs=costs, skip=skip)
-            with _kept(state) if keep_state else contextlib.nullcontext():
-                reports = self._load_resharded(whole, state)
+            with kept(state) if keep_state else contextlib.nullcontext():
+                reports = self._loader.load_resharded(whole, state)
         else:
-            with _kept(state) if keep_state else contextlib.nullcontext():
-                reports = [self._load(plan, state)]
+            with kept(state) if keep_state else contextlib.nullcontext():
+                reports = [self._loader.load(plan, state)]
         self._learn(costs, costs_file, reports)
         return reports
 
@@ -1041,278 +955,3 @@ class Checkpointer:
         elif rep.get("shards"):
             log.info("the agent pulled %d shards (%d bytes) from peers before this restore", rep["shards"],
                      rep["bytes"])
-
-    def _load_resharded(self, plan: RestorePlan, state: dict) -> list[ShardReport]:
-        """Restore a step saved by another number of ranks: DCP reshards the tensors through
-        :class:`ckpt._reader.PlanReader`; JSON values come from the same rank's shard (rank 0's if the
-        checkpoint had fewer ranks)."""
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-
-        from ._reader import PlanReader
-
-        flat = flatten_state(state, for_restore=True)
-        tensors = {leaf.name: leaf.tensor for leaf in flat.leaves if leaf.tensor is not None}
-        saved = {e.name for sh in plan.manifest.shards for e in plan.entries(sh.rank) if isinstance(e, TensorChunk)}
-        missing = sorted(set(tensors) - saved)
-        if missing:
-            raise StateMismatchError(f"step {plan.step} of {plan.job!r} has no {', '.join(missing[:5])}: the "
-                                     "state does not match the checkpoint")
-        reader = PlanReader(plan, verify=self.verify)
-        with torch.no_grad():
-            dcp.load(tensors, storage_reader=reader, planner=DefaultLoadPlanner(allow_partial_load=True))
-        src_rank = self.rank if self.rank < plan.manifest.world else 0
-        values = {e.name: e for e in plan.entries(src_rank)
-                  if isinstance(e, JsonEntry) or e.dtype == BYTES_DTYPE}
-        spill = values.get(VALUES_NAME)
-        for leaf in flat.leaves:
-            if leaf.tensor is None and leaf.name not in values and (spill is None or isinstance(leaf.value, bytes)):
-                raise StateMismatchError(f"step {plan.step} of {plan.job!r} has no value {leaf.name}")
-        raw = self._read_values(plan, src_rank, [values[leaf.name] for leaf in flat.leaves if leaf.tensor is None
-                                                 and isinstance(leaf.value, bytes)] + ([spill] if spill else []))
-        self._spilled(plan, values, Flat([leaf for leaf in flat.leaves if leaf.tensor is None]),
-                      raw.get(VALUES_NAME) if spill else None)
-        for leaf in flat.leaves:
-            if leaf.tensor is None:
-                self._fill(leaf, values[leaf.name], None, raw.get(leaf.name, b""))
-        for apply in flat.appliers:
-            apply()
-        return reader.reports
-
-    def _read_values(self, plan: RestorePlan, rank: int, entries: list[TensorChunk]) -> dict[str, bytes]:
-        """The bytes values ``entries`` of ``rank``'s shard (its whole shard is read and verified)."""
-        if not entries:
-            return {}
-        keep: list[torch.Tensor] = []
-        shard = open_shard(plan, rank, buffer_allocator(keep), verify=self.verify)
-        try:
-            return {e.name: bytes(shard.view[e.offset: e.offset + e.nbytes]) for e in entries}
-        finally:
-            shard.close()
-
-    def _load(self, plan: RestorePlan, state: dict) -> ShardReport:
-        info = plan.manifest.shard(self.rank)
-        key = keys.shard_key(plan.job, plan.step, self.rank)
-        rest = list(plan.sources.get(self.rank, []))
-        failures: list[str] = []
-        # sources that can read byte ranges straight into the tensors go first, as the plan orders them;
-        # the first one that cannot ends the direct attempts, and the rest go through a buffer
-        while rest and info.size:
-            with _direct_reader(rest[0], key, info.size) as read_batch:
-                if read_batch is None:
-                    break
-                report = self._load_direct(plan, state, info, rest[0], read_batch)
-            if isinstance(report, ShardReport):
-                report.failures = failures + report.failures
-                return report
-            failures.append(f"{source_name(rest[0])}: {report}")
-            rest = rest[1:]  # damaged or unreachable there: the next place, in order
-        plan = dataclasses.replace(plan, sources={**plan.sources, self.rank: rest})
-        keep: list[torch.Tensor] = []
-        try:
-            shard = open_shard(plan, self.rank, buffer_allocator(keep), verify=self.verify)
-        except ShardUnavailableError as e:
-            if not failures:
-                raise
-            raise ShardUnavailableError(
-                f"shard {self.rank} of {plan.job!r} step {plan.step} could not be read intact from any tier "
-                f"({'; '.join(failures)}{'; ' + str(e) if rest else ''})") from e
-        shard.report.failures = failures + shard.report.failures
-        try:
-            return self._apply(plan, state, info, shard)
-        finally:
-            shard.close()
-
-    def _load_direct(self, plan: RestorePlan, state: dict, info: Any, tier: Tier,
-                     read_batch: Callable[[list[tuple[int, memoryview]]], None]) -> ShardReport | str:
-        """Read the shard's bytes straight into the state's tensors and hash what was read.
-
-        ``read_batch`` fills a batch of contiguous ``(shard offset, view)`` pieces, in order: ``preadv``
-        from a local file (memory, uncompressed disk), or one ranged request to a peer. One copy per
-        byte, no intermediate buffer, no mapping (on tmpfs, faulting a mapping's page tables in costs more
-        than the copy). Returns why, with the tensors possibly half-written (the caller keeps their
-        previous values: see :func:`_kept`), when a read fails or the checksum does not match.
-        """
-        t0 = time.perf_counter()
-        by_name, flat = self._target(plan, state, info)
-        targets: dict[int, tuple[Leaf | None, Any]] = {}
-        raw: list[tuple[Leaf | None, bytearray]] = []  # bytes values (and spilled JSON), read on their own
-        for leaf in flat.leaves:
-            entry = by_name.get(leaf.name)
-            if entry is None:
-                continue  # a JSON value kept in the shard: checked once read
-            if leaf.tensor is not None:
-                self._check_leaf(leaf, entry)
-            else:
-                self._check_value(leaf, entry)
-            if isinstance(entry, TensorChunk) and entry.nbytes:
-                targets[entry.offset] = (leaf, entry)
-        spill = by_name.get(VALUES_NAME)
-        if spill is not None and spill.nbytes:
-            targets[spill.offset] = (None, spill)
-        from tiers.checksum import Hasher
-
-        hasher = Hasher()
-        pos = 0
-        # every byte range of the shard, in order: (offset, destination view, tensor to copy to or None)
-        pieces: list[tuple[int, memoryview, Any]] = []
-        for off in sorted(targets):
-            leaf, entry = targets[off]
-            if off > pos:
-                pieces.append((pos, memoryview(bytearray(off - pos)), None))
-            if leaf is None or leaf.tensor is None:
-                raw.append((leaf, bytearray(entry.nbytes)))
-                pieces.append((off, memoryview(raw[-1][1]), None))
-                pos = off + entry.nbytes
-                continue
-            local = _local(leaf.tensor)[0]
-            direct = local.is_cpu and local.is_contiguous()
-            dst = local if direct else self._device(local.device.type).host_empty(entry.shape, local.dtype)
-            pieces.append((off, _buffer_view(dst.data_ptr(), entry.nbytes), None if direct else (local, dst)))
-            pos = off + entry.nbytes
-        if pos < info.size:
-            pieces.append((pos, memoryview(bytearray(info.size - pos)), None))
-        # the reads run on the copier threads (they release the GIL) in shard order, a batch of up to
-        # _READ_BATCH bytes at a time, round robin; this thread hashes each batch as soon as it is in,
-        # so the checksum pass overlaps the reads instead of following them
-        batches: list[list[tuple[int, memoryview]]] = [[]]
-        filled = 0
-        for at, mv, _ in pieces:
-            for lo in range(0, len(mv), _READ_BATCH):
-                part = mv[lo:lo + _READ_BATCH]
-                if filled and filled + len(part) > _READ_BATCH:
-                    batches.append([])
-                    filled = 0
-                batches[-1].append((at + lo, part))
-                filled += len(part)
-        futs = [self._copiers[i % len(self._copiers)].submit(read_batch, b) for i, b in enumerate(batches)]
-        try:
-            for batch, f in zip(batches, futs):
-                f.result()
-                if self.verify:
-                    for _, mv in batch:
-                        hasher.update(mv)
-        except OSError as e:
-            log.warning("restore of rank %d from %s failed, trying the next place: %s", self.rank,
-                        source_name(tier), e)
-            return f"read failed: {e}"
-        finally:
-            for f in futs:
-                f.cancel()
-            for f in futs:
-                if not f.cancelled():
-                    f.exception()  # a read still running writes into the tensors: let it end first
-        if self.verify:
-            got = hasher.hexdigest()
-            if got != info.checksum:
-                log.warning("rank %d shard in %s has checksum %s, manifest says %s: trying the next place",
-                            self.rank, source_name(tier), got, info.checksum)
-                return f"checksum {got}, the manifest says {info.checksum}"
-        # tensors not read in place (other devices, strided ones) get their verified bytes now, per device type
-        by_device: dict[str, list] = {}
-        for _, _, staged in pieces:
-            if staged is not None:
-                by_device.setdefault(staged[0].device.type, []).append(staged)
-        for device_type, pairs in by_device.items():
-            self._device(device_type).restore(pairs)
-        got_raw = {id(leaf): bytes(b) for leaf, b in raw if leaf is not None}
-        self._spilled(plan, by_name, flat, next((b for leaf, b in raw if leaf is None), None))
-        with torch.no_grad():
-            for leaf in flat.leaves:
-                if leaf.tensor is None:
-                    self._fill(leaf, by_name[leaf.name], None, got_raw.get(id(leaf), b""))
-        for apply in flat.appliers:
-            apply()
-        return ShardReport(self.rank, tier.name, info.size, time.perf_counter() - t0, source=source_name(tier))
-
-    @staticmethod
-    def _target(plan: RestorePlan, state: dict, info: Any) -> tuple[dict, Flat]:
-        """The shard's entries by name and the flattened state to fill; StateMismatchError if names are missing."""
-        by_name = {e.name: e for e in plan.entries(info.rank)}
-        flat = flatten_state(state, for_restore=True)
-        spilled = VALUES_NAME in by_name  # JSON values in the shard: checked once it is read (_spilled)
-        missing = [leaf.name for leaf in flat.leaves if leaf.name not in by_name
-                   and not (spilled and leaf.tensor is None and not isinstance(leaf.value, bytes))]
-        if missing:
-            raise StateMismatchError(
-                f"step {plan.step} of {plan.job!r} has no {', '.join(missing[:5])}"
-                f"{' …' if len(missing) > 5 else ''}: the state does not match the checkpoint")
-        return by_name, flat
-
-    @staticmethod
-    def _spilled(plan: RestorePlan, by_name: dict, flat: Flat, data: bytes | memoryview | None) -> None:
-        """Add the JSON values kept in the shard (``data``: its :data:`VALUES_NAME` chunk) to ``by_name``, and
-        raise StateMismatchError for a value of the state that neither the manifest nor the shard has."""
-        if data is not None:
-            for e in parse_spilled(data, f"values of step {plan.step} of {plan.job!r}"):
-                by_name.setdefault(e.name, e)
-        missing = [leaf.name for leaf in flat.leaves if leaf.name not in by_name]
-        if missing:
-            raise StateMismatchError(
-                f"step {plan.step} of {plan.job!r} has no {', '.join(missing[:5])}"
-                f"{' …' if len(missing) > 5 else ''}: the state does not match the checkpoint")
-
-    @staticmethod
-    def _check_value(leaf: Leaf, entry: Any) -> None:
-        """StateMismatchError unless a value of the state (bytes, or a JSON value) is one in the checkpoint."""
-        if isinstance(leaf.value, bytes):
-            if not (isinstance(entry, TensorChunk) and entry.dtype == BYTES_DTYPE):
-                raise StateMismatchError(f"{leaf.name} is bytes in the state but not in the checkpoint")
-        elif not isinstance(entry, JsonEntry):
-            what = "bytes" if isinstance(entry, TensorChunk) and entry.dtype == BYTES_DTYPE else "a tensor"
-            raise StateMismatchError(f"{leaf.name} is a value in the state but {what} in the checkpoint")
-
-    @staticmethod
-    def _check_leaf(leaf: Leaf, entry: Any) -> None:
-        if not isinstance(entry, TensorChunk) or entry.dtype == BYTES_DTYPE:
-            raise StateMismatchError(f"{leaf.name} is a tensor in the state but a value in the checkpoint")
-        local, gshape, offsets = _local(leaf.tensor)
-        dt = _dtype(entry.dtype)
-        if dt != local.dtype or tuple(local.shape) != entry.shape or gshape != entry.global_shape \
-                or offsets != entry.offsets:
-            raise StateMismatchError(
-                f"{leaf.name}: the state has {_dtype_name(local.dtype)}{list(local.shape)} at {list(offsets)} of "
-                f"{list(gshape)}, the checkpoint {entry.dtype}{list(entry.shape)} at {list(entry.offsets)} of "
-                f"{list(entry.global_shape)}")
-
-    def _apply(self, plan: RestorePlan, state: dict, info: Any, shard: Any) -> ShardReport:
-        report = shard.report
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # a copy-on-write mapping is writable; torch cannot tell
-            buf = torch.frombuffer(shard.view, dtype=torch.uint8) if info.size else torch.empty(0, dtype=torch.uint8)
-        by_name, flat = self._target(plan, state, info)
-        spill = by_name.get(VALUES_NAME)
-        self._spilled(plan, by_name, flat, None if spill is None else
-                      shard.view[spill.offset: spill.offset + spill.nbytes])
-        for leaf in flat.leaves:  # every mismatch is found before anything is written
-            if leaf.tensor is not None:
-                self._check_leaf(leaf, by_name[leaf.name])
-            else:
-                self._check_value(leaf, by_name[leaf.name])
-        with torch.no_grad():
-            for leaf in flat.leaves:
-                self._fill(leaf, by_name[leaf.name], buf)
-        for apply in flat.appliers:
-            apply()
-        del buf
-        return report
-
-    @staticmethod
-    def _fill(leaf: Leaf, entry: Any, buf: torch.Tensor | None, raw: bytes | None = None) -> None:
-        """Put the checkpoint's value of ``leaf`` into the state: from ``buf`` (the shard), or, for a bytes
-        value read on its own, ``raw``."""
-        if leaf.tensor is None:
-            Checkpointer._check_value(leaf, entry)
-            if isinstance(entry, TensorChunk):
-                v: Any = raw if raw is not None else bytes(buf[entry.offset: entry.offset + entry.nbytes].numpy())
-            else:
-                v = decode_value(entry.value)
-                if isinstance(leaf.value, tuple) and isinstance(v, list):
-                    v = tuple(v)  # a checkpoint from before tuples were told apart
-            if leaf.parent is not None and not isinstance(leaf.parent, tuple):
-                leaf.parent[leaf.key] = v
-            return
-        Checkpointer._check_leaf(leaf, entry)
-        if entry.nbytes:
-            src = buf[entry.offset : entry.offset + entry.nbytes].view(_dtype(entry.dtype)).view(entry.shape)
-            _local(leaf.tensor)[0].copy_(src)

@@ -46,7 +46,9 @@ def main() -> int:
         reader = writer.reader(rewind=False)
         dcp.load(got, storage_reader=reader, checkpoint_id=step)
         ok = all(torch.equal(got[k], want[k]) for k in want)
-        print(f"LOADED {step} {rank} {ok} {','.join(sorted({r.tier for r in reader.reports}))}", flush=True)
+        # one write of the whole line (print writes the text and the newline apart, and the two ranks share
+        # the launcher's stdout: their lines could interleave)
+        os.write(1, f"LOADED {step} {rank} {ok} {','.join(sorted({r.tier for r in reader.reports}))}\n".encode())
     writer.close()
     dist.destroy_process_group()
     sys.stdout.flush()
