@@ -32,6 +32,7 @@ from tiers.manifest import decode_value, encode_value
 
 from . import _guard
 from ._devices import settle, storage_key
+from ._tensors import local_tensor
 
 __all__ = ["Leaf", "Flat", "flatten_state", "StateError", "encode_value", "decode_value"]
 
@@ -201,7 +202,7 @@ def flatten_state(state: dict, *, for_restore: bool = False) -> Flat:
     if guarded:
         for leaf in flat.leaves:
             if leaf.tensor is not None and not leaf.guarded:
-                if storage_key(_local(leaf.tensor)) in guarded:
+                if storage_key(local_tensor(leaf.tensor)) in guarded:
                     leaf.guarded = True
     # tuples rebuilt (innermost first) before any container loads the state dict that holds them
     flat.appliers[:0] = fixups
@@ -211,16 +212,6 @@ def flatten_state(state: dict, *, for_restore: bool = False) -> Flat:
         if devices:
             flat.appliers.append(lambda: settle(devices))
     return flat
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    if hasattr(t, "to_local"):
-        if hasattr(t, "global_tensor"):
-            # torch-xla's XLAShardedTensor is a DTensor whose to_local raises: its data is the global tensor
-            return t.global_tensor
-        if hasattr(t, "placements"):
-            return t.to_local()
-    return t
 
 
 def _walk(v: Any, name: str, flat: Flat, parent: Any, key: Any, fixups: list, entry: Callable) -> None:

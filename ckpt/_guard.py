@@ -27,6 +27,7 @@ from typing import Any, Callable, Hashable, Iterable
 import torch
 
 from ._devices import storage_key
+from ._tensors import local_tensor
 
 __all__ = ["register_waiter", "known_optimizers", "guarded_storages", "find_optimizers"]
 
@@ -88,27 +89,18 @@ def learn(optims: Iterable[torch.optim.Optimizer]) -> None:
             _known.add(o)
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    if hasattr(t, "to_local"):
-        if hasattr(t, "global_tensor"):
-            return t.global_tensor
-        if hasattr(t, "placements"):
-            return t.to_local()
-    return t
-
-
 def guarded_storages(optims: Iterable[torch.optim.Optimizer] | None = None) -> set[Hashable]:
     """Storage keys of every parameter and optimizer state tensor of ``optims`` (default: the known ones)."""
     out: set[Hashable] = set()
     for o in (known_optimizers() if optims is None else optims):
         for g in o.param_groups:
             for p in g["params"]:
-                out.add(storage_key(_local(p)))
+                out.add(storage_key(local_tensor(p)))
         for st in o.state.values():
             if isinstance(st, dict):
                 for v in st.values():
                     if isinstance(v, torch.Tensor):
-                        out.add(storage_key(_local(v)))
+                        out.add(storage_key(local_tensor(v)))
     return out
 
 

@@ -7,7 +7,7 @@ from typing import Callable
 
 import torch
 
-__all__ = ["dtype_name", "dtype_of", "buffer_view", "buffer_allocator", "local_chunk"]
+__all__ = ["dtype_name", "dtype_of", "buffer_view", "buffer_allocator", "local_chunk", "local_tensor"]
 
 
 def dtype_name(dt: torch.dtype) -> str:
@@ -52,3 +52,14 @@ def local_chunk(t: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...], tuple[i
             offsets = tuple(chunks[0].offsets) if chunks else (0,) * t.dim()
             return local, tuple(t.shape), offsets
     return t, tuple(t.shape), (0,) * t.dim()
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The data this rank holds of ``t``: a DTensor's local shard, torch-xla's sharded tensor whole (its
+    ``to_local`` raises), any other tensor itself."""
+    if hasattr(t, "to_local"):
+        if hasattr(t, "global_tensor"):
+            return t.global_tensor
+        if hasattr(t, "placements"):
+            return t.to_local()
+    return t

@@ -204,7 +204,12 @@ def _talk(path: str, *ops: str) -> list[str]:
             except OSError:
                 out.append("closed")
                 break
-            line = f.readline()
+            try:
+                line = f.readline()
+            except ConnectionResetError:
+                # the agent closed with this op's bytes unread: a hang-up, as an empty read is
+                out.append("closed")
+                break
             out.append(line.decode().strip() or "closed")
             if not line:
                 break
