@@ -504,8 +504,8 @@ class PluginHandle(Handle):
 
 class DcpPluginTitan(_Titan, Tierckpt):
     key, label = "dcp_plugin_titan", "tierckpt DCP plug-in, torchtitan state"
-    note = ("dcp.async_save(torchtitan's state, storage_writer=ckpt.DcpWriter, async_stager=ckpt.DcpStager), "
-            "embedded agent")
+    note = ("dcp.async_save(torchtitan's state, storage_writer=ckpt.DcpWriter, async_stager=ckpt.DcpStager("
+            "optimizers=[the OptimizersContainer])), embedded agent")
 
     def setup(self) -> None:
         import ckpt
@@ -515,7 +515,8 @@ class DcpPluginTitan(_Titan, Tierckpt):
         self.disk = tempfile.mkdtemp(prefix="bench-plugin-disk-", dir=self.scratch["disk"])
         self.writer = ckpt.DcpWriter("bench-plugin", shm=self.shm, disk=self.disk)
         self.ck = self.writer.ck
-        self.stager = ckpt.DcpStager(self.writer)
+        # named, as the DCP stager row's pre-hook is: this phase runs no optimizer step to learn it from
+        self.stager = ckpt.DcpStager(self.writer, optimizers=[self.titan["optimizer"]])
         self.warmup = self.ck.settings.keep_memory + 2
         self.agent_pid = self._agent_pid()
         self.pending: Future | None = None

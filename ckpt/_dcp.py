@@ -140,7 +140,8 @@ class DcpStager:
     an optimizer step may change before it returns, and copies parameters and optimizer state in the
     background; every optimizer step of the process waits for that copy (one global optimizer step
     pre-hook), so the checkpoint holds the values of the step it names. Optimizers are known once they
-    stepped after the writer was made, or at once when given (``optimizers=``).
+    stepped after the writer was made, or at once when given (``optimizers=``: optimizers, or containers that
+    hold them such as torchtitan's ``OptimizersContainer``).
 
     ``stage`` returns the staged state dict (tensors are views into the slot; DTensors keep their mesh,
     placements, shape and stride); DCP's upload thread plans and writes it while the copy may still run,

@@ -82,10 +82,12 @@ def known_optimizers() -> list[torch.optim.Optimizer]:
         return list(_known)
 
 
-def learn(optims: Iterable[torch.optim.Optimizer]) -> None:
-    """Add optimizers found in a state (their tensors are guarded from now on)."""
+def learn(optims: Iterable[Any]) -> None:
+    """Add optimizers named or found in a state (their tensors are guarded from now on); each item may be an
+    optimizer or a container that holds some (torchtitan's ``OptimizersContainer``, an lr scheduler)."""
+    found = [o for x in optims for o in find_optimizers(x)]
     with _lock:
-        for o in optims:
+        for o in found:
             _known.add(o)
 
 

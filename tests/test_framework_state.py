@@ -139,6 +139,22 @@ def test_optimizers_inside_stateful_containers_are_guarded_and_learned_from_thei
         reg.remove()
 
 
+def test_a_container_named_to_learn_guards_the_optimizers_inside_it():
+    # DcpStager(optimizers=[container]) learns through this: DCP hands the stager flat state dicts, so the
+    # container itself is the only handle on the optimizers before they step
+    model = _model(2)
+    state = titan_state(model)
+    inner = state["optimizer"].optimizers[0]
+    from ckpt._devices import storage_key
+
+    _guard.learn([state["optimizer"]])
+    assert inner in _guard.known_optimizers()
+    guarded = _guard.guarded_storages()
+    assert all(storage_key(p) in guarded for p in model.parameters())
+    assert all(storage_key(v) in guarded for s in inner.state.values() for v in s.values()
+               if isinstance(v, torch.Tensor)) and inner.state
+
+
 class Nest:
     """A Stateful holding another Stateful, a tuple with a tensor, and bytes."""
 
