@@ -1,0 +1,145 @@
+"""A job on a 2-D device mesh for the parallelism tests (run under torchrun, gloo, 4 ranks).
+
+    python -m torch.distributed.run --nproc-per-node 4 tests/mesh_job.py --mode hsdp|fsdp_tp
+           --job J --shm DIR [--disk DIR] --steps N --out FILE
+
+``hsdp``: ``fully_shard`` on a (replicate=2, shard=2) mesh, the parameters and optimizer state
+``(Replicate(), Shard(0))`` DTensors. ``fsdp_tp``: a (dp=2, tp=2) mesh, an MLP block parallelised as
+torchtitan does (column-wise, then row-wise with a sequence-sharded output, the norm sequence-parallel so
+its weight and bias are replicated over tp), then ``fully_shard`` over dp.
+
+Each rank trains a few deterministic steps, checkpoints every step, and writes one JSON line to
+``--out.<rank>``: for every tensor chunk it holds, the chunk's name, offsets, shape and bytes, and the
+holders and owner :mod:`ckpt._replicas` computes for it; its shard's size in the newest step's manifest;
+and the losses.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+import xxhash
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+
+import ckpt
+from ckpt._flatten import flatten_state
+from ckpt._replicas import OwnerBalance, replicas_of
+from ckpt._tensors import local_chunk
+
+
+class Block(torch.nn.Module):
+    def __init__(self, dim: int = 16, hidden: int = 64) -> None:
+        super().__init__()
+        self.up = torch.nn.Linear(dim, hidden)
+        self.down = torch.nn.Linear(hidden, dim)
+        self.norm = torch.nn.LayerNorm(dim)
+
+    def forward(self, x):
+        return self.norm(self.down(torch.nn.functional.gelu(self.up(x))))
+
+
+class Net(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(Block() for _ in range(2))
+        self.head = torch.nn.Linear(16, 4)
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = x + b(x)
+        return self.head(x)
+
+
+def build(mode: str):
+    torch.manual_seed(7)
+    model = Net()
+    if mode == "hsdp":
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+        for b in model.blocks:
+            fully_shard(b, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+    elif mode == "fsdp_tp":
+        from torch.distributed.tensor import Replicate, Shard
+        from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel, SequenceParallel,
+                                                       parallelize_module)
+
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        for b in model.blocks:
+            parallelize_module(b, mesh["tp"], {
+                "up": ColwiseParallel(input_layouts=Replicate()),
+                "down": RowwiseParallel(output_layouts=Shard(1)),
+                "norm": SequenceParallel(use_local_output=False),
+            })
+            # the block's output (sequence-sharded over tp) back to whole rows for the residual
+            b.register_forward_hook(lambda m, i, o: o.redistribute(o.device_mesh, [Replicate()]).to_local())
+            fully_shard(b, mesh=mesh["dp"])
+        fully_shard(model, mesh=mesh["dp"])
+    else:
+        raise SystemExit(f"unknown --mode {mode}")
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--mode", required=True)
+    p.add_argument("--job", required=True)
+    p.add_argument("--shm", required=True)
+    p.add_argument("--disk")
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--out", required=True)
+    a = p.parse_args()
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    model, optim = build(a.mode)
+    state = {"model": model, "optim": optim}
+    losses = []
+    with ckpt.Checkpointer(a.job, shm=a.shm, disk=a.disk) as ck:
+        for step in range(a.steps):
+            # the same batch on every rank of a replica group: its replicas must stay identical
+            dp = rank if a.mode == "hsdp" else rank // 2  # tp ranks of a dp rank see the same batch
+            g = torch.Generator().manual_seed(step * 100 + dp)
+            x = torch.randn(4, 8, 16, generator=g)
+            loss = model(x).pow(2).mean()
+            loss.backward()
+            optim.step()
+            optim.zero_grad(set_to_none=True)
+            losses.append(float(loss.item()).hex())
+            ck.save(step, state)
+        ck.wait()
+        flat = flatten_state(state)
+        bal = OwnerBalance()
+        chunks = []
+        for leaf in flat.leaves:
+            if leaf.tensor is None:
+                continue
+            local, _, offsets = local_chunk(leaf.tensor)
+            n = local.numel() * local.element_size()
+            r = replicas_of(leaf.tensor)
+            if r is not None:
+                r = bal.deal(r, n)
+            raw = local.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+            chunks.append({"name": leaf.name, "offsets": list(offsets), "shape": list(local.shape), "nbytes": n,
+                           "dtensor": hasattr(leaf.tensor, "placements"), "sum": xxhash.xxh3_64_hexdigest(raw),
+                           "holders": list(r.holders) if r else [rank],
+                           "owner": r.holders[r.owner] if r else rank})
+        from tiers.keys import manifest_key
+        from tiers.manifest import Manifest
+
+        path = os.path.join(a.shm, *manifest_key(a.job, a.steps - 1).split("/"))
+        with open(path, "rb") as f:
+            shard_size = Manifest.from_bytes(f.read()).shard(rank).size
+    with open(f"{a.out}.{rank}", "w") as f:
+        f.write(json.dumps({"rank": rank, "chunks": chunks, "shard_size": shard_size, "losses": losses}) + "\n")
+    dist.destroy_process_group()
+    sys.stdout.flush()
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
