@@ -51,7 +51,7 @@ from recovery import step_index
 from recovery.inventory import scan_tier
 from tiers import keys
 from tiers.base import Tier
-from tiers.checksum import checksum_file
+from tiers.checksum import checksum_file, checksum_file_and_head
 from tiers.disk import DiskTier
 from tiers.errors import TierError
 
@@ -492,14 +492,23 @@ class Agent:
         meta = dict(req.get("metadata") or {})
         if req.get("every_tier"):
             meta["every_tier"] = True  # a forced save: every lower tier, whatever disk_every and s3_every say
+        durable = req.get("durable")
+        part = None if durable is None else await self.layouts.durable(job, rank, layout, durable)
         row = Row(job, step, rank, world, nbytes, layout.digest, values, int(req.get("save_index", step)),
-                  meta, self.me)
+                  meta, self.me, None if part is None else (durable, part.digest))
         pend = self.book.admit(row, local=True)
         await asyncio.to_thread(self.memory.adopt, keys.shard_key(job, step, rank), slot)
         owner.leases.discard(slot)
         self._leases.discard(slot)
         self._lease_conn.pop(slot, None)
-        self.book.record(pend, row, asyncio.ensure_future(asyncio.to_thread(checksum_file, slot, nbytes)), local=True)
+        if part is None:
+            self.book.record(pend, row, asyncio.ensure_future(asyncio.to_thread(checksum_file, slot, nbytes)),
+                             local=True)
+        else:
+            # one pass gives the whole shard's checksum and its durable part's
+            both = asyncio.ensure_future(asyncio.to_thread(checksum_file_and_head, slot, nbytes, durable))
+            whole, head = (asyncio.ensure_future(_pick(both, i)) for i in (0, 1))
+            self.book.record(pend, row, whole, local=True, durable_checksum=head)
         self.stats["bytes_in"] += nbytes
         if self.replicator is not None:
             asyncio.create_task(self.replicator.share(job, step, rank, world, nbytes, pend))
@@ -724,3 +733,7 @@ def run_agent(settings: Settings, *, embedded: bool = False, idle_exit: float | 
         log.error("%s", e)
         return 2
     return 0
+
+
+async def _pick(fut: "asyncio.Future", i: int):
+    return (await fut)[i]

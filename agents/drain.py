@@ -252,7 +252,8 @@ class Drainer:
         if is_memory and drop:
             await self.slots_freed()
         if layouts and tier.name != "s3":
-            using = {d for (j, _), p in self.book.pending.items() if j == job for d in p.layouts.values()}
+            using = {d for (j, _), p in self.book.pending.items() if j == job
+                     for d in [*p.layouts.values(), *(v[1] for v in p.durables.values())]}
             await self.layouts.trim(tier, job, using)
 
     async def trim_all(self) -> None:

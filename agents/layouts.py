@@ -125,6 +125,30 @@ class LayoutBook:
             self.mark("memory", job, layout.digest)
         return layout, tuple(values)
 
+    async def durable(self, job: str, rank: int, layout: Layout, durable: int) -> Layout:
+        """The layout of the first ``durable`` bytes of a shard laid out by ``layout`` (the chunks the rank writes
+        to the shared tier: every chunk with bytes that ends by then, and the empty ones; every other chunk
+        starts at or after it), stored like a committed layout. Raises RequestError for a ``durable`` that cuts
+        a chunk in two or lies outside the shard."""
+        if isinstance(durable, bool) or not isinstance(durable, int) or not 0 <= durable < layout.end:
+            raise RequestError(f"rank {rank}: durable must be an int from 0 to below the layout's end "
+                               f"{layout.end}, got {str(durable)[:40]}")
+        head = []
+        for c in layout.chunks:
+            if not c.nbytes or c.offset + c.nbytes <= durable:
+                head.append(c)
+            elif c.offset < durable:
+                raise RequestError(f"rank {rank}: durable {durable} cuts the chunk {c.name!r} in two")
+        part = Layout(tuple(head))
+        if (job, part.digest) not in self._parsed:
+            self._parsed[(job, part.digest)] = part
+        if not self.held("memory", job, part.digest):
+            lkey = keys.layout_key(job, part.digest)
+            if not await asyncio.to_thread(os.path.exists, self.memory.path(lkey)):
+                await asyncio.to_thread(self.memory.put, lkey, part.to_bytes())
+            self.mark("memory", job, part.digest)
+        return part
+
     async def ensure(self, place: str, tier: Tier, job: str, digest: str, run=asyncio.to_thread) -> None:
         """Store the layout object ``digest`` in ``tier`` (``place`` names it) unless it is known to be there.
 

@@ -250,6 +250,9 @@ class Replicator:
         record = {"job": job, "step": step, "rank": rank, "world": world, "nbytes": nbytes, "layout": digest,
                   "values": [[e.name, e.value] for e in pend.entries[rank]],
                   "checksum": checksum, "save_index": pend.save_index, "metadata": pend.metadata, "node": self.me}
+        if rank in pend.durables:
+            n, ddigest, dsum = pend.durables[rank]
+            record["durable"] = [n, await dsum, ddigest]
         self.dis.submit([record])
         await asyncio.gather(*copies)
 

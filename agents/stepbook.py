@@ -56,6 +56,9 @@ class Pending:
     #: each rank's layout digest
     layouts: dict[int, str] = field(default_factory=dict)
     checksums: dict[int, asyncio.Future] = field(default_factory=dict)
+    #: ranks that hold copies another rank writes to the shared tier: (bytes of the durable part, its
+    #: layout's digest, its checksum) -- see ``ShardInfo.durable``
+    durables: dict[int, tuple[int, str, asyncio.Future]] = field(default_factory=dict)
     nodes: dict[int, int] = field(default_factory=dict)
     created: float = field(default_factory=time.time)
     #: the manifest is being built (all ``world`` rows are here)
@@ -78,6 +81,8 @@ class Row:
     metadata: dict
     #: the node whose memory took the shard from its trainer
     node: int
+    #: (bytes, layout digest) of the shard's durable part when it holds copies another rank writes
+    durable: tuple[int, str] | None = None
 
     @classmethod
     def parse(cls, rec: dict) -> tuple["Row", str]:
@@ -102,7 +107,17 @@ class Row:
             json.dumps([rec.get("values"), metadata], allow_nan=False)
         except (ValueError, TypeError) as e:
             raise RequestError(f"values or metadata cannot go into a manifest: {e}") from e
-        return cls(job, step, rank, world, nbytes, digest, values, save_index, metadata, node), rec["checksum"]
+        durable = rec.get("durable")
+        if durable is not None:
+            if not (isinstance(durable, list) and len(durable) == 3):
+                raise RequestError("durable must be [bytes, checksum, layout digest]")
+            n = _count({"durable": durable[0]}, "durable")
+            if n >= nbytes or not isinstance(durable[1], str) or not CHECKSUM_RE.match(durable[1]):
+                raise RequestError("durable bytes or checksum out of range")
+            durable = (n, keys.check_digest(durable[2]), durable[1])
+        row = cls(job, step, rank, world, nbytes, digest, values, save_index, metadata, node,
+                  durable[:2] if durable else None)
+        return row, rec["checksum"], (durable[2] if durable else None)
 
 
 #: the largest count a commit row may carry (world, bytes, node, save index): what a manifest's JSON holds exactly
@@ -231,15 +246,20 @@ class StepBook:
             raise RequestError(f"rank {row.rank} already committed step {row.step} of {row.job}")
         return pend
 
-    def record(self, pend: Pending, row: Row, checksum: asyncio.Future, *, local: bool) -> None:
+    def record(self, pend: Pending, row: Row, checksum: asyncio.Future, *, local: bool,
+               durable_checksum: asyncio.Future | None = None) -> None:
         """Second half: add the row (a rank's first row counts); a step with all ``world`` rows gets its
-        manifest built — here, unless this is a trainer's row and the commit tree's root builds it."""
+        manifest built — here, unless this is a trainer's row and the commit tree's root builds it.
+        ``durable_checksum``: the checksum of the row's durable part, for a row that has one."""
         if row.rank not in pend.sizes:
             pend.sizes[row.rank] = row.nbytes
             pend.entries[row.rank] = row.values
             pend.layouts[row.rank] = row.layout
             pend.nodes[row.rank] = row.node
             pend.checksums[row.rank] = checksum
+            if row.durable is not None:
+                assert durable_checksum is not None
+                pend.durables[row.rank] = (row.durable[0], row.durable[1], durable_checksum)
         if local and self.tree is not None:
             return  # the rows go up the commit tree; its root builds the manifest
         if len(pend.sizes) == pend.world and not pend.finishing:
@@ -252,7 +272,7 @@ class StepBook:
         loop = asyncio.get_running_loop()
         for rec in rows:
             try:
-                row, checksum = Row.parse(rec)
+                row, checksum, durable_checksum = Row.parse(rec)
             except (ValueError, KeyError, TypeError) as e:
                 log.warning("commit row dropped: %s", e)
                 continue
@@ -265,7 +285,11 @@ class StepBook:
                 continue
             fut = loop.create_future()
             fut.set_result(checksum)
-            self.record(pend, row, fut, local=False)
+            dfut = None
+            if durable_checksum is not None:
+                dfut = loop.create_future()
+                dfut.set_result(durable_checksum)
+            self.record(pend, row, fut, local=False, durable_checksum=dfut)
 
     # ------------------------------------------------------------------ commit
     async def finish(self, job: str, step: int, pend: Pending) -> None:
@@ -275,8 +299,12 @@ class StepBook:
         try:
             shards = []
             for r in range(pend.world):
+                durable = None
+                if r in pend.durables:
+                    n, digest, dsum = pend.durables[r]
+                    durable = (n, await dsum, digest)
                 shards.append(ShardInfo(r, pend.sizes[r], await pend.checksums[r], pend.entries[r],
-                                        pend.nodes.get(r, self.me), pend.layouts[r]))
+                                        pend.nodes.get(r, self.me), pend.layouts[r], durable))
             meta = dict(pend.metadata)
             meta["save_index"] = pend.save_index
             m = Manifest(job, step, pend.world, tuple(shards), meta, created=pend.created)

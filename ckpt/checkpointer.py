@@ -61,6 +61,7 @@ from ._devices import DeviceAdapter, Item, make_adapter
 from . import _guard
 from ._flatten import Flat, encode_value, flatten_state
 from ._load import ShardLoader, StateMismatchError, kept
+from ._replicas import OwnerBalance, replicas_of
 from ._tensors import dtype_name as _dtype_name, local_chunk
 
 __all__ = ["Checkpointer", "SaveFuture", "RestoreReport", "CheckpointError", "RestoreError", "StateMismatchError"]
@@ -413,7 +414,7 @@ class Checkpointer:
         if self.overlap:
             self._install_hook()  # before flattening: a container's state_dict may take an optimizer step
         flat = flatten_state(state)
-        layout, values, copies, total = self._layout(flat)
+        layout, values, copies, total, durable = self._layout(flat)
         slot = self._take_prelease(total)
         if slot is None:
             try:
@@ -446,7 +447,8 @@ class Checkpointer:
                 fut.staged_at = time.perf_counter()
                 r = self._commit(step=step, slot=slot, nbytes=total, layout=layout, values=values,
                                  save_index=step // self.every, metadata=meta,
-                                 **({"every_tier": True} if force else {}))
+                                 **({"every_tier": True} if force else {}),
+                                 **({"durable": durable} if durable < total else {}))
                 self._collect(r)
                 # queued before the save is reported staged, so the next save always sees (and waits for) it
                 self._prelease_fut = self._leaser.submit(self._prelease, total)
@@ -596,11 +598,24 @@ class Checkpointer:
                 send = True  # the agent restarted, or dropped it: send the entries again
         raise AssertionError("unreachable")
 
-    def _layout(self, flat: Flat) -> tuple[Layout, list[list], list[tuple[torch.Tensor, int, int, bool]], int]:
+    def _layout(self, flat: Flat) -> tuple[Layout, list[list], list[tuple[torch.Tensor, int, int, bool]], int, int]:
+        """The shard's layout, its JSON values, the copies that fill it, its size, and its durable part: the
+        chunks this rank writes to the shared tier come first (its own, those it owns of the chunks other
+        ranks hold copies of, its values), then the copies another rank writes (:mod:`ckpt._replicas`)."""
         chunks: list[TensorChunk] = []
         values: list[list] = []
         copies = []
         off = 0
+        tail: list[tuple[Any, torch.Tensor, tuple, tuple, int]] = []
+        balance = OwnerBalance()
+
+        def place(name: str, local: torch.Tensor, gshape: tuple, offsets: tuple, n: int, guarded: bool) -> None:
+            nonlocal off
+            off = (off + _ALIGN - 1) // _ALIGN * _ALIGN
+            chunks.append(TensorChunk(name, _dtype_name(local.dtype), gshape, offsets, tuple(local.shape), off, n))
+            copies.append((local, off, n, guarded))
+            off += n
+
         for leaf in flat.leaves:
             if isinstance(leaf.value, bytes):
                 # raw in the shard, copied before save returns (the caller may reuse the object)
@@ -618,11 +633,11 @@ class Checkpointer:
             if local.requires_grad:  # state-dict entries come detached; on XLA a detach is a traced op
                 local = local.detach()
             n = local.numel() * local.element_size()
-            off = (off + _ALIGN - 1) // _ALIGN * _ALIGN
-            chunks.append(TensorChunk(leaf.name, _dtype_name(local.dtype), gshape, offsets,
-                                      tuple(local.shape), off, n))
-            copies.append((local, off, n, leaf.guarded and self.overlap))
-            off += n
+            rep = replicas_of(leaf.tensor) if n else None
+            if rep is not None and not balance.deal(rep, n).mine:
+                tail.append((leaf, local, gshape, offsets, n))  # another holder writes it to the shared tier
+                continue
+            place(leaf.name, local, gshape, offsets, n, leaf.guarded and self.overlap)
         if values:
             blob = json.dumps(values, allow_nan=False, separators=(",", ":")).encode()
             if len(blob) > SPILL_BYTES:
@@ -633,11 +648,14 @@ class Checkpointer:
                 copies.append((torch.frombuffer(bytearray(blob), dtype=torch.uint8), off, n, False))
                 off += n
                 values = []
+        durable = off
+        for leaf, local, gshape, offsets, n in tail:
+            place(leaf.name, local, gshape, offsets, n, leaf.guarded and self.overlap)
         layout = Layout(tuple(chunks))
         if layout == self._last_layout:
             layout = self._last_layout  # keeps its digest: computed once while the layout does not change
         self._last_layout = layout
-        return layout, values, copies, off
+        return layout, values, copies, off, durable
 
     # ------------------------------------------------------------------ wait / close
     def _agent_wait(self, step: int | None, timeout: float | None) -> None:

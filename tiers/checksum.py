@@ -11,7 +11,7 @@ import os
 
 import xxhash
 
-__all__ = ["ALGO", "checksum_bytes", "checksum_file", "Hasher"]
+__all__ = ["ALGO", "checksum_bytes", "checksum_file", "checksum_file_and_head", "Hasher"]
 
 ALGO = "xxh3_64"
 _CHUNK = 64 * 1024 * 1024
@@ -47,3 +47,25 @@ def checksum_file(path: str | os.PathLike, size: int | None = None) -> str:
             return checksum_bytes(b"")
         with mmap.mmap(f.fileno(), n, prot=mmap.PROT_READ) as mm:
             return checksum_bytes(mm)
+
+
+def checksum_file_and_head(path: str | os.PathLike, size: int, head: int) -> tuple[str, str]:
+    """(checksum of a file's first ``size`` bytes, checksum of its first ``head`` bytes), in one pass."""
+    if not 0 <= head <= size:
+        raise ValueError(f"head {head} outside 0..{size}")
+    with open(path, "rb") as f:
+        if size == 0:
+            e = checksum_bytes(b"")
+            return e, e
+        with mmap.mmap(f.fileno(), size, prot=mmap.PROT_READ) as mm:
+            mv = memoryview(mm)
+            try:
+                h = xxhash.xxh3_64()
+                for i in range(0, head, _CHUNK):
+                    h.update(mv[i: min(i + _CHUNK, head)])
+                first = f"{ALGO}:{h.copy().hexdigest()}"
+                for i in range(head, size, _CHUNK):
+                    h.update(mv[i: min(i + _CHUNK, size)])
+                return f"{ALGO}:{h.hexdigest()}", first
+            finally:
+                mv.release()

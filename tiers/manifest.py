@@ -71,6 +71,7 @@ __all__ = [
     "Manifest",
     "ManifestCache",
     "validate_layout",
+    "durable_view",
 ]
 
 MANIFEST_FORMAT = "tierckpt-manifest"
@@ -296,6 +297,10 @@ class ShardInfo:
     entries: tuple[Entry, ...] = ()
     node: int = 0
     layout: str = ""
+    #: the shard's first bytes that hold every chunk this rank writes to the shared tier (S3) for the ranks
+    #: holding identical copies (:mod:`ckpt._replicas`): ``(bytes, their checksum, the digest of the layout of
+    #: the chunks in them)``; None when the rank writes its whole shard there (it holds no other rank's copy)
+    durable: tuple[int, str, str] | None = None
 
     def to_json(self) -> dict:
         if not self.layout:
@@ -306,6 +311,8 @@ class ShardInfo:
         values = [[e.name, e.value] for e in self.entries if isinstance(e, JsonEntry)]
         if values:
             out["values"] = values
+        if self.durable is not None:
+            out["durable"] = list(self.durable)
         return out
 
 
@@ -340,8 +347,8 @@ class Manifest:
 
     @property
     def layouts(self) -> set[str]:
-        """Digests of the layout objects this manifest names (empty for version 1)."""
-        return {s.layout for s in self.shards if s.layout}
+        """Digests of the layout objects this manifest names, the durable parts' too (empty for version 1)."""
+        return {s.layout for s in self.shards if s.layout} | {s.durable[2] for s in self.shards if s.durable}
 
     def to_json(self) -> dict:
         return {
@@ -439,7 +446,8 @@ class Manifest:
             node = s.get("node", 0)
             if isinstance(node, bool) or not isinstance(node, int) or not 0 <= node < MAX_NODES:
                 raise ManifestError(f"malformed manifest: {where}.node must be an int >= 0")
-            shards.append(ShardInfo(rank, size, checksum, tuple(entries), node, layout))
+            durable = _durable(s.get("durable"), size, where) if version >= 2 else None
+            shards.append(ShardInfo(rank, size, checksum, tuple(entries), node, layout, durable))
         metadata = obj.get("metadata", {})
         if not isinstance(metadata, dict):
             raise ManifestError("malformed manifest: metadata must be an object")
@@ -512,6 +520,8 @@ def _v2_row(s: Any, r: int) -> ShardInfo | None:
     manifest of 16,384 ranks is parsed at every node once per step)."""
     if type(s) is not dict:
         return None
+    if "durable" in s:
+        return None  # checked field by field below
     rank, size, checksum, layout = s.get("rank"), s.get("size"), s.get("checksum"), s.get("layout")
     node = s.get("node", 0)
     if not (type(rank) is int and rank == r and type(size) is int and 0 <= size <= MAX_BYTES
@@ -529,6 +539,45 @@ def _v2_row(s: Any, r: int) -> ShardInfo | None:
     if len(entries) > 1 and len({e.name for e in entries}) != len(entries):
         return None
     return ShardInfo(rank, size, checksum, tuple(entries), node, layout)
+
+
+def _durable(v: Any, size: int, where: str) -> tuple[int, str, str] | None:
+    """A version-2 shard row's ``durable``: ``[bytes below the shard's size, checksum, layout digest]``."""
+    if v is None:
+        return None
+    if not (isinstance(v, list) and len(v) == 3 and type(v[0]) is int and isinstance(v[1], str)
+            and isinstance(v[2], str)):
+        raise ManifestError(f"malformed manifest: {where}.durable must be [bytes, checksum, layout digest]")
+    n, checksum, layout = v
+    if not 0 <= n < size:
+        raise ManifestError(f"malformed manifest: {where}.durable holds {n} of the shard's {size} bytes: damaged")
+    if not _CHECKSUM_RE.match(checksum):
+        raise ManifestError(f"malformed manifest: {where}.durable checksum {checksum[:40]!r} is not xxh3_64:<16 hex>")
+    try:
+        check_digest(layout)
+    except InvalidNameError as e:
+        raise ManifestError(f"malformed manifest: {where}.durable: {e}") from e
+    return n, checksum, layout
+
+
+def durable_view(m: Manifest) -> Manifest:
+    """The manifest of ``m``'s step as the shared tier (S3) holds it when ranks hold copies of each other's
+    chunks: each such rank's shard is its ``durable`` part (the chunks it writes for all the ranks holding
+    them, and its values), so every chunk is there once. The same bytes from every node that builds it
+    (it is derived from ``m`` alone): ``metadata["durable_of"]`` names ``m`` by checksum. ``m`` itself when
+    no rank holds a copy of another's.
+
+    A restore planned by this manifest reads each chunk from the shard of the rank that wrote it, as a
+    restore at another world size does."""
+    if all(s.durable is None for s in m.shards):
+        return m
+    if not m.checksum:
+        m.to_bytes()  # sets it
+    shards = tuple(s if s.durable is None else
+                   ShardInfo(s.rank, s.durable[0], s.durable[1], s.entries, s.node, s.durable[2])
+                   for s in m.shards)
+    return Manifest(m.job, m.step, m.world, shards, {**m.metadata, "durable_of": m.checksum}, m.created,
+                    m.library, m.version)
 
 
 def _values(rows: Any, where: str) -> list[JsonEntry]:
