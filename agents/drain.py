@@ -26,6 +26,8 @@ import concurrent.futures
 import contextlib
 import functools
 import logging
+import mmap
+import os
 import time
 from collections.abc import Awaitable, Callable
 
@@ -33,7 +35,7 @@ from recovery import step_index
 from recovery.inventory import scan_tier
 from tiers import keys
 from tiers.base import Tier
-from tiers.manifest import Manifest
+from tiers.manifest import Manifest, durable_view
 from tiers.memory import MemoryTier
 
 from .config import Settings
@@ -67,6 +69,21 @@ class ByteBudget:
         async with self._cond:
             self.used -= n
             self._cond.notify_all()
+
+
+def _put_head(tier: Tier, key: str, path: str, size: int) -> int:
+    """Store the first ``size`` bytes of the file ``path`` as ``key`` (the whole file when that is its size)."""
+    if os.path.getsize(path) == size:
+        return tier.put(key, path)
+    if size == 0:
+        return tier.put(key, b"")
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), size, prot=mmap.PROT_READ) as mm:
+        view = memoryview(mm)
+        try:
+            return tier.put(key, view)
+        finally:
+            with contextlib.suppress(BufferError):
+                view.release()
 
 
 def delete_step(tier: Tier, job: str, step: int) -> None:
@@ -190,12 +207,18 @@ class Drainer:
         manifest_bytes = await asyncio.to_thread(self.memory.get, mkey)
         m = self.book.manifests.parse(manifest_bytes, job=job, step=step)
         t0 = time.perf_counter()
+        if tier.name == "s3":
+            # the shared tier holds every chunk once: a rank holding copies another rank writes puts only
+            # its durable part there, under the manifest that says so (the same bytes from every node)
+            view = durable_view(m)
+            if view is not m:
+                m, manifest_bytes = view, view.to_bytes()
 
         async def one(rank: int, size: int) -> None:
             n = await self.budget.acquire(size)
             try:
                 src = self.memory.path(keys.shard_key(job, step, rank))
-                await self._run(tier, tier.put, keys.shard_key(job, step, rank), src)
+                await self._run(tier, _put_head, tier, keys.shard_key(job, step, rank), src, size)
             finally:
                 await self.budget.release(n)
 

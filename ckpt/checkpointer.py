@@ -923,7 +923,9 @@ class Checkpointer:
             log.warning("the agent could not drop steps after %d: %s", agreed, e)
         costs, costs_file = node_costs(self.settings.shm, invs)
         plan = plan_restore(invs, self.job, agreed, [self.rank], costs=costs, skip=skip)
-        if plan.manifest.world != self.world:
+        # another world size, or the shared tier's manifest of a step whose ranks held copies of each other's
+        # chunks (each chunk is in the shard of the rank that wrote it): every chunk from whichever shard has it
+        if plan.manifest.world != self.world or "durable_of" in plan.manifest.metadata:
             try:
                 whole = plan_restore(invs, self.job, agreed, costs=costs, skip=skip)
             except StepNotFoundError:

@@ -95,14 +95,18 @@ class RestorePlan:
 
 
 def _candidates(invs: list[TierInventory], job: str, skip: set[str] | frozenset[str] = frozenset()
-                ) -> dict[int, tuple[Manifest, Tier]]:
-    """step → (a valid manifest, the cheapest tier it came from); manifests whose checksum is in ``skip`` are
-    passed over (a copy that failed: another tier's may differ)."""
-    out: dict[int, tuple[Manifest, Tier]] = {}
+                ) -> dict[int, list[tuple[Manifest, Tier]]]:
+    """step → its distinct valid manifests, each with the cheapest tier it came from, in tier order; manifests
+    whose checksum is in ``skip`` are passed over (a copy that failed: another tier's may differ). A step has
+    two when the shared tier holds it with each chunk once (``tiers.manifest.durable_view``)."""
+    out: dict[int, list[tuple[Manifest, Tier]]] = {}
     for inv in invs:
         for step, st in inv.job(job).items():
-            if st.manifest is not None and step not in out and st.manifest.checksum not in skip:
-                out[step] = (st.manifest, inv.tier)
+            m = st.manifest
+            if m is not None and m.checksum not in skip:
+                got = out.setdefault(step, [])
+                if all(m.checksum != other.checksum for other, _ in got):
+                    got.append((m, inv.tier))
     return out
 
 
@@ -111,7 +115,7 @@ def manifest_for(invs: list[TierInventory], job: str, step: int,
     """The manifest :func:`plan_restore` plans ``step`` by given ``skip``: the cheapest tier's valid one whose
     checksum is not in ``skip``; None when there is none."""
     got = _candidates(invs, job, skip).get(step)
-    return None if got is None else got[0]
+    return got[0][0] if got else None
 
 
 def _sources(invs: list[TierInventory], job: str, step: int, m: Manifest,
@@ -133,8 +137,8 @@ def _sources(invs: list[TierInventory], job: str, step: int, m: Manifest,
 
 def complete_steps(invs: list[TierInventory], job: str, ranks: list[int] | None = None) -> list[int]:
     """Steps whose manifest and every shard (of ``ranks``, all if None) can be read somewhere, ascending."""
-    return sorted(s for s, (m, _) in _candidates(invs, job).items()
-                  if _sources(invs, job, s, m, ranks) is not None)
+    return sorted(s for s, got in _candidates(invs, job).items()
+                  if any(_sources(invs, job, s, m, ranks) is not None for m, _ in got))
 
 
 def load_layouts(invs: list[TierInventory], job: str, m: Manifest,
@@ -200,12 +204,12 @@ def plan_restore(invs: list[TierInventory], job: str, step: int | None = None,
     for s in steps:
         if s not in cands:
             break
-        m, mt = cands[s]
-        src = _sources(invs, job, s, m, ranks, costs)
-        if src is not None:
-            est = {} if costs is None else \
-                {r: costs.estimate(where[0], m.shard(r).size) for r, where in src.items()}
-            return RestorePlan(job, s, m, mt, src, est, load_layouts(invs, job, m, src))
+        for m, mt in cands[s]:
+            src = _sources(invs, job, s, m, ranks, costs)
+            if src is not None:
+                est = {} if costs is None else \
+                    {r: costs.estimate(where[0], m.shard(r).size) for r, where in src.items()}
+                return RestorePlan(job, s, m, mt, src, est, load_layouts(invs, job, m, src))
     done = complete_steps(invs, job, ranks)
     if step is None:
         raise StepNotFoundError(f"job {job!r} has no complete step in any tier (a save may have been cut short)")

@@ -60,7 +60,8 @@ def build(mode: str):
     torch.manual_seed(7)
     model = Net()
     if mode == "hsdp":
-        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+        world = dist.get_world_size()
+        mesh = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("replicate", "shard"))
         for b in model.blocks:
             fully_shard(b, mesh=mesh)
         fully_shard(model, mesh=mesh)
@@ -85,13 +86,31 @@ def build(mode: str):
     return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
 
 
+def dump(model, optim) -> dict:
+    """Whole tensors (gathered), comparable across world sizes: parameters and optimizer state by name."""
+    def whole(t):
+        return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+    names = {id(p): n for n, p in model.named_parameters()}
+    out = {f"param/{n}": whole(p.detach()).clone() for n, p in model.named_parameters()}
+    for p, st in optim.state.items():
+        for k, v in st.items():
+            if isinstance(v, torch.Tensor):
+                out[f"optim/{names[id(p)]}/{k}"] = whole(v).clone()
+    return out
+
+
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--mode", required=True)
     p.add_argument("--job", required=True)
     p.add_argument("--shm", required=True)
     p.add_argument("--disk")
+    p.add_argument("--s3")
+    p.add_argument("--s3-endpoint")
+    p.add_argument("--no-spawn", action="store_true", help="use the running agent; never start one")
     p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--restore-only", action="store_true", help="restore the newest step, dump it, and stop")
     p.add_argument("--out", required=True)
     a = p.parse_args()
     dist.init_process_group("gloo")
@@ -99,43 +118,53 @@ def main() -> int:
     model, optim = build(a.mode)
     state = {"model": model, "optim": optim}
     losses = []
-    with ckpt.Checkpointer(a.job, shm=a.shm, disk=a.disk) as ck:
-        for step in range(a.steps):
-            # the same batch on every rank of a replica group: its replicas must stay identical
-            dp = rank if a.mode == "hsdp" else rank // 2  # tp ranks of a dp rank see the same batch
-            g = torch.Generator().manual_seed(step * 100 + dp)
-            x = torch.randn(4, 8, 16, generator=g)
-            loss = model(x).pow(2).mean()
-            loss.backward()
-            optim.step()
-            optim.zero_grad(set_to_none=True)
-            losses.append(float(loss.item()).hex())
-            ck.save(step, state)
-        ck.wait()
-        flat = flatten_state(state)
-        bal = OwnerBalance()
-        chunks = []
-        for leaf in flat.leaves:
-            if leaf.tensor is None:
-                continue
-            local, _, offsets = local_chunk(leaf.tensor)
-            n = local.numel() * local.element_size()
-            r = replicas_of(leaf.tensor)
-            if r is not None:
-                r = bal.deal(r, n)
-            raw = local.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
-            chunks.append({"name": leaf.name, "offsets": list(offsets), "shape": list(local.shape), "nbytes": n,
-                           "dtensor": hasattr(leaf.tensor, "placements"), "sum": xxhash.xxh3_64_hexdigest(raw),
-                           "holders": list(r.holders) if r else [rank],
-                           "owner": r.holders[r.owner] if r else rank})
-        from tiers.keys import manifest_key
-        from tiers.manifest import Manifest
+    report: dict = {"rank": rank}
+    with ckpt.Checkpointer(a.job, shm=a.shm, disk=a.disk, s3=a.s3, s3_endpoint=a.s3_endpoint,
+                           s3_every=1 if a.s3 else None, spawn=not a.no_spawn) as ck:
+        if a.restore_only:
+            report["restored"] = ck.restore(state)
+            report["tiers"] = ck.last_restore.tiers
+            torch.save(dump(model, optim), f"{a.out}.dump.{rank}")
+        else:
+            for step in range(a.steps):
+                # the same batch on the tp ranks of a dp rank; HSDP's every rank is a dp rank
+                dp = rank if a.mode == "hsdp" else rank // 2
+                g = torch.Generator().manual_seed(step * 100 + dp)
+                x = torch.randn(4, 8, 16, generator=g)
+                loss = model(x).pow(2).mean()
+                loss.backward()
+                optim.step()
+                optim.zero_grad(set_to_none=True)
+                losses.append(float(loss.item()).hex())
+                ck.save(step, state)
+            ck.wait()
+            torch.save(dump(model, optim), f"{a.out}.dump.{rank}")
+            flat = flatten_state(state)
+            bal = OwnerBalance()
+            chunks = []
+            for leaf in flat.leaves:
+                if leaf.tensor is None:
+                    continue
+                local, _, offsets = local_chunk(leaf.tensor)
+                n = local.numel() * local.element_size()
+                r = replicas_of(leaf.tensor) if n else None
+                if r is not None:
+                    r = bal.deal(r, n)
+                raw = local.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+                chunks.append({"name": leaf.name, "offsets": list(offsets), "shape": list(local.shape),
+                               "nbytes": n, "dtensor": hasattr(leaf.tensor, "placements"),
+                               "sum": xxhash.xxh3_64_hexdigest(raw),
+                               "holders": list(r.holders) if r else [rank],
+                               "owner": r.holders[r.owner] if r else rank})
+            from tiers.keys import manifest_key
+            from tiers.manifest import Manifest
 
-        path = os.path.join(a.shm, *manifest_key(a.job, a.steps - 1).split("/"))
-        with open(path, "rb") as f:
-            shard_size = Manifest.from_bytes(f.read()).shard(rank).size
+            path = os.path.join(a.shm, *manifest_key(a.job, a.steps - 1).split("/"))
+            with open(path, "rb") as f:
+                sh = Manifest.from_bytes(f.read()).shard(rank)
+            report.update(chunks=chunks, shard_size=sh.size, durable=sh.durable and sh.durable[0], losses=losses)
     with open(f"{a.out}.{rank}", "w") as f:
-        f.write(json.dumps({"rank": rank, "chunks": chunks, "shard_size": shard_size, "losses": losses}) + "\n")
+        f.write(json.dumps(report) + "\n")
     dist.destroy_process_group()
     sys.stdout.flush()
     os._exit(0)

@@ -11,12 +11,14 @@ from __future__ import annotations
 import collections
 import json
 import os
+import shutil
 import subprocess
 import sys
 
 import pytest
 
 from procs import env
+from s3util import free_port
 
 pytestmark = pytest.mark.e2e
 JOB = os.path.join(os.path.dirname(os.path.abspath(__file__)), "mesh_job.py")
@@ -90,3 +92,136 @@ def test_fsdp_tp_replicated_norms_and_biases_are_named_for_their_tp_pair_only(tm
     # weights are split over tp and hold no copy
     assert {"blocks.0.norm.weight", "blocks.0.norm.bias", "blocks.0.down.bias"} <= shared
     assert not {"blocks.0.up.weight", "blocks.0.down.weight"} & shared
+
+
+# ---------------------------------------------------------------- the shared tier holds every chunk once
+def _torchrun(n: int, nnodes: int, port: int, shm: str, out: str, *args: str) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nnodes), "--node-rank", str(n),
+           "--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port", str(port), JOB,
+           "--mode", "hsdp", "--job", "dedup", "--shm", shm, "--no-spawn", "--out", out, *args]
+    return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env())
+
+
+def _run_nodes(shms: list[str], out: str, *args: str) -> None:
+    port = free_port()
+    jobs = [_torchrun(n, len(shms), port, shm, out, *args) for n, shm in enumerate(shms)]
+    for j in jobs:
+        _, err = j.communicate(timeout=600)
+        assert j.returncode == 0, "\n".join(ln for ln in err.splitlines() if "Error" in ln)[-3000:] or err[-3000:]
+
+
+def _s3_shards(endpoint: str, bucket: str, step: int) -> dict[int, int]:
+    import boto3
+
+    c = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1")
+    try:
+        objs = c.list_objects_v2(Bucket=bucket, Prefix=f"ckpt/dedup/step-{step}/").get("Contents", [])
+    finally:
+        c.close()
+    return {int(o["Key"].rsplit("rank-", 1)[1].split(".")[0]): o["Size"] for o in objs if o["Key"].endswith(".shard")}
+
+
+def _dumps(out: str, ranks: range) -> dict[int, dict]:
+    import torch
+
+    return {r: torch.load(f"{out}.dump.{r}", weights_only=True) for r in ranks}
+
+
+def _same(a: dict, b: dict) -> None:
+    import torch
+
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+
+
+def test_hsdp_on_two_nodes_writes_each_chunk_once_to_s3_and_restores_from_it_bit_exact(tmp_path, s3_bucket):
+    from procs import kill9, start_agent, write_secret
+
+    endpoint, bucket = s3_bucket
+    peers = tmp_path / "peers.txt"
+    ports = [free_port(), free_port()]
+    peers.write_text("".join(f"127.0.0.1:{p}\n" for p in ports))
+    secret = write_secret(str(tmp_path / "secret"))
+    shms = [str(tmp_path / f"node{n}" / "shm") for n in (0, 1)]
+    disks = [str(tmp_path / f"node{n}" / "disk") for n in (0, 1)]
+
+    def agents(peer_list: str | None, count: int = 2) -> list:
+        out = []
+        for n in range(count):
+            os.makedirs(os.path.dirname(shms[n]), exist_ok=True)
+            out.append(start_agent(shms[n], "--node-rank", str(n), *(["--peers", peer_list] if peer_list else []),
+                                   "--secret-file", secret, "--disk", disks[n], "--disk-every", "1",
+                                   "--s3", f"s3://{bucket}/ckpt", "--s3-endpoint", endpoint, "--s3-every", "1"))
+        return out
+
+    procs = agents(str(peers))
+    saved = str(tmp_path / "saved")
+    try:
+        _run_nodes(shms, saved, "--steps", "3")
+    finally:
+        for p in procs:
+            kill9(p)
+    rows = [json.loads(open(f"{saved}.{r}").read()) for r in range(4)]
+    memory = {row["rank"]: row["shard_size"] for row in rows}
+    durable = {row["rank"]: row["durable"] if row["durable"] is not None else row["shard_size"] for row in rows}
+    unique = sum(c["nbytes"] for row in rows for c in row["chunks"] if c["owner"] == row["rank"])
+    s3 = _s3_shards(endpoint, bucket, 2)
+    # S3 holds each rank's durable part: every chunk once, about half of what the four ranks hold
+    assert s3 == durable, (s3, durable)
+    assert all(durable[r] < memory[r] for r in range(4))
+    assert unique <= sum(s3.values()) <= unique + 4 * 4096  # alignment of each chunk, per shard
+    assert sum(s3.values()) < 0.55 * sum(memory.values())
+    per_node = [s3[0] + s3[1], s3[2] + s3[3]]
+    assert abs(per_node[0] - per_node[1]) <= max(c["nbytes"] for row in rows for c in row["chunks"])
+    # a node's own disk keeps its ranks' whole shards: a node restores from its own disk alone
+    for n in (0, 1):
+        for r in (2 * n, 2 * n + 1):
+            assert os.path.getsize(os.path.join(disks[n], "dedup", "step-2", f"rank-{r}.shard")) == memory[r]
+
+    # every node loses memory and disk: the ranks restore from S3, each chunk from the rank that wrote it
+    for n in (0, 1):
+        shutil.rmtree(os.path.dirname(shms[n]))
+    procs = agents(str(peers))
+    again = str(tmp_path / "again")
+    try:
+        _run_nodes(shms, again, "--restore-only")
+    finally:
+        for p in procs:
+            kill9(p)
+    for r in range(4):
+        row = json.loads(open(f"{again}.{r}").read())
+        assert row["restored"] == 2 and set(row["tiers"]) == {"s3"}, row
+    before, after = _dumps(saved, range(4)), _dumps(again, range(4))
+    for r in range(4):
+        _same(before[r], after[r])
+
+    # one replica group on one node (2 ranks, world 4 -> 2), from S3 again
+    shutil.rmtree(os.path.dirname(shms[0]))
+    procs = agents(None, count=1)
+    half = str(tmp_path / "half")
+    try:
+        _run_nodes(shms[:1], half, "--restore-only")
+    finally:
+        for p in procs:
+            kill9(p)
+    for r in range(2):
+        row = json.loads(open(f"{half}.{r}").read())
+        assert row["restored"] == 2 and set(row["tiers"]) == {"s3"}, row
+        _same(before[0], _dumps(half, range(2))[r])
+
+    # the CLI reads the shared tier's manifest as any other: verify, and an export of whole tensors
+    from procs import ckpt_cmd
+
+    s3 = ["--s3", f"s3://{bucket}/ckpt", "--s3-endpoint", endpoint]
+    v = ckpt_cmd("verify", "dedup", "--step", "2", "--shm", str(tmp_path / "none"), *s3, timeout=300)
+    assert v.returncode == 0, v.stdout + v.stderr
+    x = ckpt_cmd("restore", "dedup", "--step", "2", "--to", str(tmp_path / "export"), "--format", "torch",
+                 "--shm", str(tmp_path / "none"), *s3, timeout=300)
+    assert x.returncode == 0, x.stdout + x.stderr
+    import torch
+
+    exported = torch.load(str(tmp_path / "export" / "checkpoint.pt"), weights_only=True)
+    for name, t in before[0].items():
+        if name.startswith("param/"):
+            assert torch.equal(exported["model"][name[len("param/"):]], t), name
