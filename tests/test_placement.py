@@ -9,7 +9,7 @@ import subprocess
 import sys
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import event, given, settings
 from hypothesis import strategies as st
 from procs import env
 
@@ -25,6 +25,17 @@ from agents.placement import (
     survival_probability,
     survives,
     survives_all,
+)
+from agents.mesh_placement import (
+    Mesh,
+    MeshError,
+    max_failures_survived,
+    parse_mesh,
+    piece_label,
+    piece_losing_failure,
+    piece_survival_probability,
+    pieces_survive,
+    plan_copies,
 )
 from ckpt._placement_cli import add_parser
 
@@ -382,7 +393,302 @@ def test_cli_rejects_an_unknown_placement_as_a_usage_error():
 
 
 def test_placement_command_and_module_never_import_torch():
-    code = ("import sys, agents.placement, ckpt._placement_cli; "
+    code = ("import sys, agents.placement, agents.mesh_placement, ckpt._placement_cli; "
             "assert 'torch' not in sys.modules, 'torch was imported'")
     p = subprocess.run([sys.executable, "-c", code], env=env(), capture_output=True, text=True, check=False)
     assert p.returncode == 0, p.stderr
+
+
+# -- the job's mesh: model replicas count as copies -------------------------------------------
+
+def _mesh_spec(dims):
+    return ",".join(f"{n}={s}" for n, s in dims)
+
+
+def _brute_mesh_holders(dims, replicate, per_node, nodes, k, how):
+    """Every piece's holder nodes by the policy, from first principles: row-major ranks, then the lead's targets."""
+    names = [n for n, _ in dims]
+    model = {}
+    for rank, coords in enumerate(itertools.product(*(range(s) for _, s in dims))):
+        piece = tuple((n, c) for n, c in zip(names, coords) if n not in replicate)
+        model.setdefault(piece, set()).add(rank // per_node)
+    node_list = _nodes([None] * nodes) if isinstance(nodes, int) else nodes
+    out = {}
+    for piece, held in model.items():
+        have = set(held)
+        for t in replica_targets(node_list, min(held), k, how):
+            if len(have) >= k:
+                break
+            have.add(t)
+        out[piece] = (held, have)
+    return out
+
+
+def _brute_mesh_alive(holder_sets, n, f):
+    return sum(not any(h <= set(c) for h in holder_sets) for c in itertools.combinations(range(n), f))
+
+
+def _check_plan_against_brute(dims, replicate, per_node, nodes, k, how):
+    mesh = Mesh(dims, frozenset(replicate), per_node)
+    plan = plan_copies(mesh, nodes, k, how)
+    n = mesh.nodes
+    brute = _brute_mesh_holders(dims, replicate, per_node, nodes, k, how)
+    assert {pc.piece: (set(pc.model_holders), set(pc.holders)) for pc in plan.pieces} == brute
+    per_node_targets = min(k - 1, n - 1)
+    assert plan.baseline_copies == mesh.world * per_node_targets
+    assert plan.peer_copies == sum(len(have - held) for held, have in brute.values())
+    assert sum(plan.sends.values()) == plan.peer_copies and set(plan.sends) == set(range(n))
+    for pc in plan.pieces:
+        assert pc.short_by == max(0, k - len(pc.holders))
+        assert (pc.source_rank is None) == (not pc.targets)
+        if pc.targets:
+            assert pc.source_rank in pc.ranks and mesh.node_of(pc.source_rank) == pc.lead
+    holder_sets = [have for _, have in brute.values()]
+    always = max(f for f in range(n + 1) if _brute_mesh_alive(holder_sets, n, f) == math.comb(n, f))
+    assert max_failures_survived(plan) == always
+    for f in range(n + 1):
+        alive = _brute_mesh_alive(holder_sets, n, f)
+        result = piece_survival_probability(plan, f)
+        assert result.exact and result.probability == alive / math.comb(n, f)
+        assert result.all_survive == (alive == math.comb(n, f))
+        example = piece_losing_failure(plan, f)
+        assert (example is None) == (alive == math.comb(n, f))
+        if example is not None:
+            assert len(example) == f and not pieces_survive(plan, example)
+            assert any(h <= example for h in holder_sets)
+    return plan
+
+
+@st.composite
+def _meshes(draw):
+    """A mesh of up to 3 dims over N = 1..8 nodes of G = 1..4 ranks: the world N * G split into dim sizes."""
+    n = draw(st.integers(1, 8))
+    per_node = draw(st.integers(1, 4))
+    rest, sizes = n * per_node, []
+    for _ in range(draw(st.integers(0, 2))):
+        size = draw(st.sampled_from([d for d in range(1, rest + 1) if rest % d == 0]))
+        sizes.append(size)
+        rest //= size
+    sizes.append(rest)
+    dims = [(f"d{i}", s) for i, s in enumerate(sizes)]
+    replicate = {name for name, _ in dims if draw(st.booleans())}
+    domains = draw(st.none() | st.lists(st.sampled_from([None, "a", "b", "c"]), min_size=n, max_size=n))
+    return dims, replicate, per_node, (n if domains is None else _nodes(domains))
+
+
+@settings(max_examples=600, deadline=None)
+@given(mesh=_meshes(), k=st.integers(1, 4), how=PLACEMENT)
+def test_mesh_copies_and_survival_equal_brute_force_over_every_failure_set(mesh, k, how):
+    dims, replicate, per_node, nodes = mesh
+    plan = _check_plan_against_brute(dims, replicate, per_node, nodes, k, how)
+    event(f"nodes: {plan.nodes}")
+    event(f"peer copies: {'none' if not plan.peer_copies else 'fewer' if plan.copy_fraction < 1 else 'as today'}")
+
+
+def test_hsdp_2x2_on_2_nodes_survives_one_failure_with_no_peer_copy():
+    # dp_replicate is the outer dim, so the two replicas of each shard run on different nodes
+    plan = _check_plan_against_brute([("dp_replicate", 2), ("dp_shard", 2)], {"dp_replicate"}, 2, 2, 2, "group")
+    assert [pc.model_holders for pc in plan.pieces] == [(0, 1), (0, 1)]
+    assert plan.peer_copies == 0 and plan.baseline_copies == 4 and plan.copy_fraction == 0
+    assert max_failures_survived(plan) == 1
+    assert piece_survival_probability(plan, 1).all_survive
+
+
+def test_tp_inside_a_node_with_dp_across_nodes_needs_no_peer_copy():
+    plan = _check_plan_against_brute([("dp", 2), ("tp", 4)], {"dp"}, 4, 2, 2, "group")
+    assert len(plan.pieces) == 4 and all(pc.model_holders == (0, 1) for pc in plan.pieces)
+    assert plan.peer_copies == 0 and max_failures_survived(plan) == 1
+
+
+def test_replicas_on_the_same_node_still_get_peer_copies():
+    # dp is the inner dim: both replicas of a tp shard run on one node, which is no protection
+    plan = _check_plan_against_brute([("tp", 2), ("dp", 2)], {"dp"}, 2, 2, 2, "group")
+    assert [(pc.model_holders, pc.targets, pc.source_rank) for pc in plan.pieces] == [((0,), (1,), 0), ((1,), (0,), 2)]
+    assert plan.peer_copies == 2 and plan.baseline_copies == 4 and plan.copy_fraction == 0.5
+    assert dict(plan.sends) == {0: 1, 1: 1}
+
+
+@pytest.mark.parametrize("dims,copies", [
+    ([("pp", 4), ("dp", 2)], 4),   # each stage's replicas share a node: one copy per stage
+    ([("dp", 2), ("pp", 4)], 0),   # each stage's replicas on two nodes already
+])
+def test_pipeline_stages_times_dp_replicas(dims, copies):
+    plan = _check_plan_against_brute(dims, {"dp"}, 2, 4, 2, "group")
+    assert len(plan.pieces) == 4 and plan.peer_copies == copies and plan.baseline_copies == 8
+    assert max_failures_survived(plan) == 1
+
+
+def test_hsdp_with_k_above_the_model_replicas_adds_only_the_missing_copies():
+    plan = _check_plan_against_brute([("dp_replicate", 2), ("dp_shard", 4), ("tp", 2)], {"dp_replicate"}, 2, 8, 3,
+                                     "group")
+    assert all(len(pc.targets) == 1 and len(pc.holders) == 3 for pc in plan.pieces)
+    assert plan.peer_copies == 8 and plan.baseline_copies == 32 and plan.copy_fraction == 0.25
+    assert max_failures_survived(plan) == 2
+
+
+def test_a_piece_stays_short_when_there_are_fewer_nodes_than_copies_wanted():
+    plan = plan_copies(Mesh([("pp", 2), ("tp", 2)], frozenset(), 2), 2, 4)
+    assert all(pc.short_by == 2 and len(pc.holders) == 2 for pc in plan.pieces)
+
+
+def test_without_replicate_dims_survival_equals_the_node_level_placement_at_scale():
+    # one rank per node and nothing replicated: every piece's holders are its node's holders
+    plan = plan_copies(Mesh([("pp", 1024)], frozenset(), 1), 1024, 2, "ring")
+    for f in (2, 3):
+        got = piece_survival_probability(plan, f)
+        assert got.exact and got.probability == pytest.approx(survival_probability(1024, 2, f, "ring").probability,
+                                                              rel=1e-12)
+    assert max_failures_survived(plan) == 1
+
+
+def test_mesh_survival_falls_back_to_enumeration_then_seeded_monte_carlo(monkeypatch):
+    plan = plan_copies(Mesh([("pp", 6)], frozenset(), 1), 6, 2, "ring")
+    exact = piece_survival_probability(plan, 4)
+    assert exact.exact and "inclusion-exclusion" in exact.method
+    # the ring's inclusion-exclusion takes 35 terms here, enumeration C(6, 4) = 15 failure sets
+    monkeypatch.setattr(placement, "MAX_ENUMERATED", 20)
+    enumerated = piece_survival_probability(plan, 4)
+    assert enumerated.method == "exact: enumerated all 15 failure sets"
+    assert enumerated.probability == exact.probability == survival_probability(6, 2, 4, "ring").probability
+    monkeypatch.setattr(placement, "MAX_ENUMERATED", 10)
+    estimate = piece_survival_probability(plan, 4, samples=20_000)
+    assert not estimate.exact and estimate.method == "Monte Carlo, 20000 samples (seed 0)"
+    assert estimate.probability == pytest.approx(exact.probability, abs=0.02)
+    assert piece_survival_probability(plan, 4, samples=20_000) == estimate
+
+
+def test_mesh_ranks_are_row_major_and_nodes_hold_consecutive_ranks():
+    mesh = Mesh([("a", 2), ("b", 3), ("c", 2)], frozenset({"b"}), 4)
+    assert [mesh.coords(r) for r in range(mesh.world)] == list(itertools.product(range(2), range(3), range(2)))
+    assert (mesh.world, mesh.nodes, mesh.node_of(11)) == (12, 3, 2)
+    assert mesh.pieces()[(("a", 1), ("c", 0))] == (6, 8, 10)
+    assert piece_label((("a", 1), ("c", 0))) == "a=1,c=0" and piece_label(()) == "(all)"
+
+
+def test_bytes_fraction_weighs_pieces_by_their_shard_size():
+    plan = plan_copies(Mesh([("tp", 2), ("dp", 2)], frozenset({"dp"}), 2), 2, 2)
+    sizes = {(("tp", 0),): 300, (("tp", 1),): 100}
+    # today: 4 ranks each send their shard once (300 + 300 + 100 + 100); now: one of each piece
+    assert plan.bytes_fraction(sizes) == pytest.approx(400 / 800)
+    with pytest.raises(KeyError, match="tp=1"):
+        plan.bytes_fraction({(("tp", 0),): 1})
+
+
+@pytest.mark.parametrize("spec,what", [
+    ("", "names no dim"),
+    ("dp=2,,tp=2", "extra comma"),
+    ("dp", "no size"),
+    ("dp=0", "at least 1"),
+    ("dp=two", "whole number"),
+    ("1dp=2", "not an identifier"),
+    ("dp=2,dp=2", "twice"),
+])
+def test_parse_mesh_rejects_bad_specs(spec, what):
+    with pytest.raises(MeshError, match=what) as e:
+        parse_mesh(spec)
+    assert isinstance(e.value, ValueError)
+
+
+def test_mesh_rejects_unknown_replicate_dims_and_uneven_nodes():
+    with pytest.raises(MeshError, match="not in the mesh"):
+        Mesh([("dp", 2)], frozenset({"pp"}), 1)
+    with pytest.raises(MeshError, match="not a multiple"):
+        Mesh([("dp", 3)], frozenset(), 2)
+    with pytest.raises(MeshError, match="at least 1"):
+        Mesh([("dp", 2)], frozenset(), 0)
+    with pytest.raises(ValueError, match="so 2 nodes, not 3"):
+        plan_copies(Mesh([("dp", 4)], frozenset(), 2), 3, 2)
+    with pytest.raises(ValueError, match="failures"):
+        piece_survival_probability(plan_copies(Mesh([("dp", 4)], frozenset(), 2), 2, 2), 3)
+
+
+# -- ckpt placement --mesh --------------------------------------------------------------------
+
+_NUM = r"([0-9.]+)"
+
+
+def _mesh_cli_figures(out):
+    """The numbers ``ckpt placement --mesh`` prints: peer copies, today's, ratio, yes/no, largest F, probability."""
+    import re
+
+    copies = re.search(rf"peer copies per save: {_NUM} shards? \(today {_NUM}: .*\); {_NUM} of today's", out)
+    yes = re.search(r"survives every \d+ simultaneous node failures?: (yes|no)", out)
+    best = re.search(rf"always survived: {_NUM}\n", out)
+    prob = re.search(rf"node failures?: {_NUM} \((.*)\)\n", out)
+    return (int(copies[1]), int(copies[2]), float(copies[3]), yes[1] == "yes", int(best[1]), float(prob[1]),
+            prob[2])
+
+
+@pytest.mark.parametrize("dims,replicate,per_node,n,k,f,how,domains", [
+    ([("dp_replicate", 2), ("dp_shard", 2)], {"dp_replicate"}, 2, 2, 2, 1, "group", None),
+    ([("dp_replicate", 2), ("dp_shard", 4), ("tp", 2)], {"dp_replicate"}, 2, 8, 2, 2, "group", None),
+    ([("dp_replicate", 2), ("dp_shard", 4), ("tp", 2)], {"dp_replicate"}, 2, 8, 3, 3, "ring", None),
+    ([("tp", 2), ("dp", 3)], {"dp"}, 3, 2, 2, 1, "group", None),
+    ([("pp", 3), ("dp", 2), ("tp", 2)], {"dp"}, 2, 6, 2, 2, "group", "aabbcc"),
+    ([("pp", 4), ("dp", 2)], set(), 1, 8, 3, 4, "ring", "abababab"),
+])
+def test_cli_mesh_figures_equal_brute_force(dims, replicate, per_node, n, k, f, how, domains, tmp_path, capsys):
+    argv = ["--mesh", _mesh_spec(dims), "--replicate", ",".join(sorted(replicate)) or "none",
+            "--ranks-per-node", str(per_node), "--replicas", str(k), "--failures", str(f), "--placement", how]
+    if domains is None:
+        argv += ["--nodes", str(n)]
+        nodes = n
+    else:
+        peers = tmp_path / "nodes.txt"
+        peers.write_text("".join(f"n{i}:7070 domain={d}\n" for i, d in enumerate(domains)))
+        argv += ["--peers", str(peers)]
+        nodes = _nodes(domains)
+    rc, out, err = _run(argv, capsys)
+    assert rc == 0 and err == ""
+    brute = _brute_mesh_holders(dims, replicate, per_node, nodes, k, how)
+    holder_sets = [have for _, have in brute.values()]
+    copies = sum(len(have - held) for held, have in brute.values())
+    today = math.prod(s for _, s in dims) * min(k - 1, n - 1)
+    alive = _brute_mesh_alive(holder_sets, n, f)
+    always = max(x for x in range(n + 1) if _brute_mesh_alive(holder_sets, n, x) == math.comb(n, x))
+    got = _mesh_cli_figures(out)
+    assert got[:5] == (copies, today, pytest.approx(round(copies / today, 3)), alive == math.comb(n, f), always)
+    assert got[5] == pytest.approx(alive / math.comb(n, f), abs=5e-7) and got[6].startswith("exact")
+    rows = [ln for ln in out.splitlines() if ln.split(" ", 1)[0] in {piece_label(p) for p in brute}]
+    assert len(rows) == len(brute)
+
+
+def test_cli_mesh_says_which_failures_lose_a_piece(capsys):
+    rc, out, _ = _run(["--nodes", "2", "--mesh", "tp=2,dp=2", "--replicate", "dp", "--replicas", "1",
+                       "--failures", "1"], capsys)
+    assert rc == 0
+    assert "survives every 1 simultaneous node failure: no (e.g. node 0 fails: no copy of piece tp=0 is left)" in out
+    assert "peer copies per save: 0 shards (today 0: every rank's shard to 0 peers)" in out
+
+
+def test_cli_mesh_caps_the_piece_rows_and_says_how_many_are_left_out(capsys):
+    from ckpt import _placement_cli
+
+    rc, out, _ = _run(["--mesh", "dp=2,pp=16,tp=4", "--replicate", "dp", "--ranks-per-node", "4",
+                       "--failures", "2"], capsys)
+    assert rc == 0
+    pieces = 16 * 4
+    assert f"({pieces - _placement_cli.MAX_PIECE_ROWS} more pieces not shown)" in out
+    assert f"pieces: {pieces}; on 2+ nodes by the model's replicas alone: {pieces}; with peer copies: 0" in out
+    assert "32 nodes of 4 ranks" in out and "1 of 32 nodes" not in out
+    assert "at most 0 (node 0), 0.00 on average; 32 of 32 nodes send none" in out
+
+
+@pytest.mark.parametrize("argv,what", [
+    (["--nodes", "2", "--mesh", "dp=2,tp=2"], "give --replicate"),
+    (["--nodes", "2", "--mesh", "dp=2,tp=x", "--replicate", "dp"], "--mesh: mesh dim 'tp'"),
+    (["--nodes", "2", "--mesh", "dp=2,tp=2", "--replicate", "pp"], "--replicate names pp"),
+    (["--nodes", "3", "--mesh", "dp=2,tp=2", "--replicate", "dp"], "do not split evenly over 3 nodes"),
+    (["--nodes", "2", "--mesh", "dp=2,tp=2", "--replicate", "dp", "--ranks-per-node", "1"], "the mesh has 4"),
+    (["--mesh", "dp=2,tp=2", "--replicate", "dp", "--ranks-per-node", "3"], "not a multiple of --ranks-per-node"),
+    (["--mesh", "dp=2,tp=2", "--replicate", "dp", "--ranks-per-node", "0"], "--ranks-per-node must be"),
+    (["--mesh", "dp=2,tp=2", "--replicate", "dp"], "--nodes N, --peers FILE or --ranks-per-node G"),
+    (["--nodes", "2", "--mesh", "dp=2,tp=2", "--replicate", "dp", "--failures", "3"], "--failures"),
+    (["--nodes", "2", "--mesh", "dp=2,tp=2", "--replicate", "dp", "--replicas", "0"], "--replicas"),
+    (["--nodes", "2", "--replicate", "dp"], "give --mesh"),
+    (["--nodes", "2", "--ranks-per-node", "2"], "give --mesh"),
+])
+def test_cli_mesh_rejects_unusable_flags_with_one_line_and_exit_2(argv, what, capsys):
+    rc, out, err = _run(argv, capsys)
+    assert rc == 2 and out == ""
+    assert err.count("\n") == 1 and what in err
