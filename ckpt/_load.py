@@ -31,7 +31,7 @@ from ._flatten import Flat, Leaf, decode_value, flatten_state
 from ._tensors import buffer_allocator, buffer_view as _buffer_view, dtype_name as _dtype_name
 from ._tensors import dtype_of as _dtype, local_chunk
 
-__all__ = ["ShardLoader", "StateMismatchError", "kept"]
+__all__ = ["ShardLoader", "StateMismatchError", "kept", "values_rank"]
 
 log = logging.getLogger("tierckpt")
 
@@ -109,6 +109,25 @@ def kept(state: dict):
         raise
 
 
+def values_rank(plan: RestorePlan, rank: int, names: Any) -> int:
+    """The saved rank whose JSON and bytes values ``rank`` restores when the world size changed.
+
+    The first of the same rank (if the checkpoint had it), then ranks 0, 1, … whose shard holds the most of
+    this rank's tensors (``names``) by name. With data or FSDP parallelism every shard holds every name, so
+    that is the same rank, or rank 0; with pipeline parallelism the stages' names are disjoint, so a rank
+    takes its values (a step counter, the optimizer's parameter groups) from a rank of its own stage, never
+    from another stage's whose values under the same names differ.
+    """
+    world = plan.manifest.world
+    wanted = set(names)
+    order = ([rank] if rank < world else []) + list(range(world))
+    if not wanted:
+        return order[0]
+    held = {r: sum(1 for e in plan.entries(r) if isinstance(e, TensorChunk) and e.dtype != BYTES_DTYPE
+                   and e.name in wanted) for r in set(order)}
+    return max(order, key=lambda r: (held[r], -order.index(r)))
+
+
 class ShardLoader:
     """Loads this rank's part of a planned step into a state (see the module docstring).
 
@@ -124,8 +143,8 @@ class ShardLoader:
 
     def load_resharded(self, plan: RestorePlan, state: dict) -> list[ShardReport]:
         """Restore a step saved by another number of ranks: DCP reshards the tensors through
-        :class:`ckpt._reader.PlanReader`; JSON values come from the same rank's shard (rank 0's if the
-        checkpoint had fewer ranks)."""
+        :class:`ckpt._reader.PlanReader`; JSON and bytes values come from one saved rank's shard
+        (:func:`values_rank`)."""
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
@@ -141,7 +160,7 @@ class ShardLoader:
         reader = PlanReader(plan, verify=self.verify)
         with torch.no_grad():
             dcp.load(tensors, storage_reader=reader, planner=DefaultLoadPlanner(allow_partial_load=True))
-        src_rank = self.rank if self.rank < plan.manifest.world else 0
+        src_rank = values_rank(plan, self.rank, tensors)
         values = {e.name: e for e in plan.entries(src_rank)
                   if isinstance(e, JsonEntry) or e.dtype == BYTES_DTYPE}
         spill = values.get(VALUES_NAME)
