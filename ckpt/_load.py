@@ -125,6 +125,11 @@ def values_rank(plan: RestorePlan, rank: int, names: Any) -> int:
         return order[0]
     held = {r: sum(1 for e in plan.entries(r) if isinstance(e, TensorChunk) and e.dtype != BYTES_DTYPE
                    and e.name in wanted) for r in set(order)}
+    if "durable_of" in plan.manifest.metadata:
+        # the shared tier's manifest lists each replicated chunk under one holder only, so counts say little:
+        # the first rank holding any of these tensors (the same rank, when it wrote any of them) is of the
+        # same stage
+        return next((r for r in order if held[r]), order[0])
     return max(order, key=lambda r: (held[r], -order.index(r)))
 
 

@@ -116,7 +116,10 @@ def main() -> int:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     model, optim = build(a.mode)
-    state = {"model": model, "optim": optim}
+    # each rank's own values, as a data loader's position is: a restore gives a rank its own back
+    state = {"model": model, "optim": optim, "progress": {"rank": rank, "token": f"rank-{rank}".encode()}}
+    if a.restore_only:
+        state["progress"] = {"rank": -1, "token": b""}
     losses = []
     report: dict = {"rank": rank}
     with ckpt.Checkpointer(a.job, shm=a.shm, disk=a.disk, s3=a.s3, s3_endpoint=a.s3_endpoint,
@@ -124,6 +127,7 @@ def main() -> int:
         if a.restore_only:
             report["restored"] = ck.restore(state)
             report["tiers"] = ck.last_restore.tiers
+            report["progress"] = [state["progress"]["rank"], state["progress"]["token"].decode()]
             torch.save(dump(model, optim), f"{a.out}.dump.{rank}")
         else:
             for step in range(a.steps):

@@ -108,8 +108,9 @@ def test_values_of_a_resharded_restore_come_from_a_rank_of_the_same_stage():
 
         return TensorChunk(name, "float32", (4,), (0,), (4,), 0, 16)
 
-    def plan(names_by_rank: list[list[str]]):
-        return types.SimpleNamespace(manifest=types.SimpleNamespace(world=len(names_by_rank)),
+    def plan(names_by_rank: list[list[str]], metadata: dict | None = None):
+        return types.SimpleNamespace(manifest=types.SimpleNamespace(world=len(names_by_rank),
+                                                                    metadata=metadata or {}),
                                      entries=lambda r: tuple(chunk(n) for n in names_by_rank[r]))
 
     stage0, stage1 = ["inp.weight", "layers.0.fc.weight"], ["layers.3.fc.weight", "head.weight"]
@@ -122,6 +123,14 @@ def test_values_of_a_resharded_restore_come_from_a_rank_of_the_same_stage():
     fsdp = plan([stage0 + stage1] * 2)
     assert [values_rank(fsdp, r, stage0 + stage1) for r in range(4)] == [0, 1, 0, 0]
     assert values_rank(fsdp, 1, []) == 1
+    # the shared tier's manifest of an HSDP step lists each replicated chunk under one holder: a rank that
+    # wrote any of its tensors takes its own values, a stage's rank never another stage's
+    half = ["layers.0.fc.weight"], ["inp.weight"]
+    hsdp = plan([half[0], half[1], half[1], half[0]], {"durable_of": "xxh3_64:0000000000000000"})
+    assert [values_rank(hsdp, r, stage0) for r in range(4)] == [0, 1, 2, 3]
+    pp = plan([["inp.weight"], ["layers.0.fc.weight"], ["head.weight"], ["layers.3.fc.weight"]],
+              {"durable_of": "xxh3_64:0000000000000000"})
+    assert [values_rank(pp, r, names) for r, names in enumerate([stage0, stage1])] == [0, 2]
 
 
 def test_two_nodes_killed_mid_run_resume_bit_exact_from_memory(tmp_path, reference):

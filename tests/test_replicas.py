@@ -192,6 +192,7 @@ def test_hsdp_on_two_nodes_writes_each_chunk_once_to_s3_and_restores_from_it_bit
     for r in range(4):
         row = json.loads(open(f"{again}.{r}").read())
         assert row["restored"] == 2 and set(row["tiers"]) == {"s3"}, row
+        assert row["progress"] == [r, f"rank-{r}"], row  # its own values, not its replica's
     before, after = _dumps(saved, range(4)), _dumps(again, range(4))
     for r in range(4):
         _same(before[r], after[r])
