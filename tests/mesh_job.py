@@ -45,10 +45,11 @@ class Block(torch.nn.Module):
 
 
 class Net(torch.nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, dim: int = 16) -> None:
         super().__init__()
-        self.blocks = torch.nn.ModuleList(Block() for _ in range(2))
-        self.head = torch.nn.Linear(16, 4)
+        self.blocks = torch.nn.ModuleList(Block(dim, 4 * dim) for _ in range(2))
+        self.head = torch.nn.Linear(dim, 4)
+        self.dim = dim
 
     def forward(self, x):
         for b in self.blocks:
@@ -56,12 +57,13 @@ class Net(torch.nn.Module):
         return self.head(x)
 
 
-def build(mode: str):
+def build(mode: str, replicas: int = 0, dim: int = 16):
     torch.manual_seed(7)
-    model = Net()
+    model = Net(dim)
     if mode == "hsdp":
         world = dist.get_world_size()
-        mesh = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("replicate", "shard"))
+        r = replicas or world // 2
+        mesh = init_device_mesh("cpu", (r, world // r), mesh_dim_names=("replicate", "shard"))
         for b in model.blocks:
             fully_shard(b, mesh=mesh)
         fully_shard(model, mesh=mesh)
@@ -112,10 +114,12 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--restore-only", action="store_true", help="restore the newest step, dump it, and stop")
     p.add_argument("--out", required=True)
+    p.add_argument("--replicas", type=int, default=0, help="hsdp: replica groups (default: world / 2)")
+    p.add_argument("--dim", type=int, default=16, help="the model's width")
     a = p.parse_args()
     dist.init_process_group("gloo")
     rank = dist.get_rank()
-    model, optim = build(a.mode)
+    model, optim = build(a.mode, a.replicas, a.dim)
     # each rank's own values, as a data loader's position is: a restore gives a rank its own back
     state = {"model": model, "optim": optim, "progress": {"rank": rank, "token": f"rank-{rank}".encode()}}
     if a.restore_only:
@@ -134,7 +138,7 @@ def main() -> int:
                 # the same batch on the tp ranks of a dp rank; HSDP's every rank is a dp rank
                 dp = rank if a.mode == "hsdp" else rank // 2
                 g = torch.Generator().manual_seed(step * 100 + dp)
-                x = torch.randn(4, 8, 16, generator=g)
+                x = torch.randn(4, 8, a.dim, generator=g)
                 loss = model(x).pow(2).mean()
                 loss.backward()
                 optim.step()
