@@ -398,10 +398,21 @@ class Tierckpt(Method):
         self.shm = tempfile.mkdtemp(prefix="bench-tierckpt-", dir=self.scratch["shm"])
         self.disk = tempfile.mkdtemp(prefix="bench-tierckpt-disk-", dir=self.scratch["disk"])
         self.ck = ckpt.Checkpointer("bench-save", shm=self.shm, disk=self.disk)
-        self.state = {"model": self.ts.model, "optim": self.ts.optim}
+        self.state = self.bench_state()
+        self.fresh_start()
         # the ring holds keep_memory + 1 slots per rank; the first use of each creates and pre-faults it
         self.warmup = self.ck.settings.keep_memory + 2
         self.agent_pid = self._agent_pid()
+
+    def bench_state(self) -> dict:
+        return {"model": self.ts.model, "optim": self.ts.optim}
+
+    def fresh_start(self) -> None:
+        """As a training loop starts: restore (a fresh job: nothing), then a training step before the first
+        save; the restore leases and faults in the first save's slot meanwhile."""
+        if self.ck.restore(self.state) is not None:
+            raise RuntimeError("the benchmark's job found an earlier checkpoint")
+        self.ts.step()
 
     def _agent_pid(self) -> int | None:
         try:
@@ -461,7 +472,9 @@ class TierckptTitan(_Titan, Tierckpt):
     def setup(self) -> None:
         self.titan_setup()
         super().setup()
-        self.state = self.titan
+
+    def bench_state(self) -> dict:
+        return self.titan
 
     def teardown(self) -> None:
         super().teardown()

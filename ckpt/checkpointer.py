@@ -538,6 +538,15 @@ class Checkpointer:
             except (OSError, ValueError) as e:  # removed or resized meanwhile: mapped when it is leased
                 log.debug("could not map slot %s ahead of time: %s", slot, e)
 
+    def _lease_for(self, state: dict) -> None:
+        """Lease and fault in, in the background, the slot of a first save of ``state`` (a fresh start's
+        restore): the first save then waits for no fresh memory when the first step outlasts the faulting."""
+        try:
+            total = self._layout(flatten_state(state))[3]
+        except Exception:  # the save says what is wrong with the state
+            return
+        self._lease_ahead(total)
+
     def _lease_ahead(self, nbytes: int) -> None:
         """Start leasing (and mapping) the slot of the next save of ``nbytes`` bytes in the background."""
         if self._prelease_fut is None and not self._closed:
@@ -836,6 +845,7 @@ class Checkpointer:
                         raise RestoreError(f"job {self.job!r}: another rank found a committed step it could not "
                                            "restore (its error says which); nothing was started fresh")
                 self._raise_not_restorable(invs, None, failed)
+                self._lease_for(state)  # a fresh start: the first save's slot is faulted in meanwhile
                 return None
             skip = skipped.setdefault(agreed, set())
             used = manifest_for(invs, self.job, agreed, skip)

@@ -102,6 +102,19 @@ def test_restore_leases_and_maps_the_slot_of_the_first_save(tmp_path):
         assert os.path.samefile(MemoryTier(shm).path(keys.shard_key("rs", 5, 0)), slot)  # the save staged there
 
 
+def test_a_fresh_starts_restore_leases_and_maps_the_slot_its_first_save_stages_into(tmp_path):
+    shm = str(tmp_path / "shm")
+    state = _state(3)
+    with ckpt.Checkpointer("fresh", shm=shm) as ck:
+        assert ck.restore(state) is None
+        ck._prelease_fut.result(timeout=60)
+        slot, n = ck._next_slot
+        assert ck._maps[slot][0] == n
+        ck.save(0, state).wait()
+        shard = MemoryTier(shm).path(keys.shard_key("fresh", 0, 0))
+        assert os.path.getsize(shard) == n and os.path.samefile(shard, slot)  # the first save staged there
+
+
 def test_a_slot_file_made_again_is_mapped_again(tmp_path):
     """A slot removed and created again under the same name (``ckpt gc`` drops free slots) is a new file: a
     mapping of the old one would stage into memory nobody reads, and the step would commit zeros."""
