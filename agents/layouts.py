@@ -118,12 +118,16 @@ class LayoutBook:
             if len(self._parsed) > 4096:  # a job that changes layouts all the time: forget the oldest
                 self._parsed.pop(next(iter(self._parsed)))
             self._parsed[(job, layout.digest)] = layout
+        await self._keep(job, layout)
+        return layout, tuple(values)
+
+    async def _keep(self, job: str, layout: Layout) -> None:
+        """Store ``layout`` in the memory tier once (a drain copies it from there to each lower tier)."""
         if not self.held("memory", job, layout.digest):
             lkey = keys.layout_key(job, layout.digest)
             if not await asyncio.to_thread(os.path.exists, self.memory.path(lkey)):
                 await asyncio.to_thread(self.memory.put, lkey, layout.to_bytes())
             self.mark("memory", job, layout.digest)
-        return layout, tuple(values)
 
     async def durable(self, job: str, rank: int, layout: Layout, durable: int) -> Layout:
         """The layout of the first ``durable`` bytes of a shard laid out by ``layout`` (the chunks the rank writes
@@ -142,11 +146,7 @@ class LayoutBook:
         part = Layout(tuple(head))
         if (job, part.digest) not in self._parsed:
             self._parsed[(job, part.digest)] = part
-        if not self.held("memory", job, part.digest):
-            lkey = keys.layout_key(job, part.digest)
-            if not await asyncio.to_thread(os.path.exists, self.memory.path(lkey)):
-                await asyncio.to_thread(self.memory.put, lkey, part.to_bytes())
-            self.mark("memory", job, part.digest)
+        await self._keep(job, part)
         return part
 
     async def ensure(self, place: str, tier: Tier, job: str, digest: str, run=asyncio.to_thread) -> None:

@@ -101,6 +101,18 @@ def agent_call(shm: str, op: str, **kw) -> dict:
         return c.call(op, **kw)
 
 
+def kill_torchrun(proc: subprocess.Popen) -> None:
+    """kill -9 a torchrun started with ``start_new_session=True`` and its ranks."""
+    try:
+        with open(f"/proc/{proc.pid}/task/{proc.pid}/children") as f:
+            for pid in f.read().split():
+                os.kill(int(pid), signal.SIGKILL)
+    except FileNotFoundError:
+        pass
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait(30)
+
+
 def kill9(proc: subprocess.Popen) -> None:
     proc.send_signal(signal.SIGKILL)
     proc.wait(30)

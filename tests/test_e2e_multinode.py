@@ -9,13 +9,12 @@ from __future__ import annotations
 
 import os
 import shutil
-import signal
 import subprocess
 import sys
 
 import pytest
 
-from procs import TRAINER, env, kill9, losses, read_events, start_agent, write_secret
+from procs import TRAINER, env, kill9, kill_torchrun, losses, read_events, start_agent, write_secret
 from s3util import free_port
 
 pytestmark = pytest.mark.e2e
@@ -40,17 +39,6 @@ def _torchrun(node: int, port: int, out: str, *args: str, hang: bool = False, re
     return subprocess.Popen(cmd, stdout=subprocess.PIPE if hang else subprocess.DEVNULL,
                             stderr=subprocess.PIPE, text=True, start_new_session=True,
                             env=env(TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1"))
-
-
-def _kill_job(proc: subprocess.Popen) -> None:
-    try:
-        with open(f"/proc/{proc.pid}/task/{proc.pid}/children") as f:
-            for pid in f.read().split():
-                os.kill(int(pid), signal.SIGKILL)
-    except FileNotFoundError:
-        pass
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait(30)
 
 
 class TwoNodes:
@@ -93,7 +81,7 @@ class TwoNodes:
                     if "STAGED" in line:
                         break
             for j in jobs:
-                _kill_job(j)
+                kill_torchrun(j)
             return
         for j in jobs:
             _, err = j.communicate(timeout=300)

@@ -8,7 +8,6 @@ replicas. Each stage keeps the model's own names, so its tensors are found by na
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 import types
@@ -16,7 +15,7 @@ import types
 import pytest
 import torch
 
-from procs import HERE, env, losses, read_events, start_agent, write_secret
+from procs import HERE, env, kill_torchrun, losses, read_events, start_agent, write_secret
 from s3util import free_port
 
 pytestmark = pytest.mark.e2e
@@ -43,18 +42,6 @@ def _finish(*jobs: subprocess.Popen) -> None:
         _, err = j.communicate(timeout=300)
         # the ranks' own errors first: torchrun's summary at the end hides them
         assert j.returncode == 0, "\n".join(ln for ln in err.splitlines() if "Error" in ln)[-3000:]
-
-
-def _kill_job(proc: subprocess.Popen) -> None:
-    """kill -9 a torchrun and its ranks (each rank runs in a session of its own)."""
-    try:
-        with open(f"/proc/{proc.pid}/task/{proc.pid}/children") as f:
-            for pid in f.read().split():
-                os.kill(int(pid), signal.SIGKILL)
-    except FileNotFoundError:
-        pass
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait(30)
 
 
 def _stop(agents) -> None:
@@ -163,7 +150,7 @@ def test_two_nodes_killed_mid_run_resume_bit_exact_from_memory(tmp_path, referen
                     if "STAGED" in line:
                         break
             for j in jobs:
-                _kill_job(j)
+                kill_torchrun(j)
 
         run(hang=True)
         run(hang=False)
