@@ -62,12 +62,15 @@ def replicas_of(t: Any) -> Replicas | None:
     DTensor replicated along any mesh dimension (this rank's alone), or this rank is not in its mesh."""
     placements = getattr(t, "placements", None)
     mesh = getattr(t, "device_mesh", None)
-    if placements is None or mesh is None:
-        return None
-    rep = tuple(i for i, p in enumerate(placements) if p.is_replicate())
-    if not rep:
-        return None
-    coord = mesh.get_coordinate()
+    if placements is None or mesh is None or hasattr(t, "global_tensor"):
+        return None  # not a DTensor; torch-xla's sharded tensor is saved whole by every rank (ckpt._devices.xla)
+    try:
+        rep = tuple(i for i, p in enumerate(placements) if p.is_replicate())
+        if not rep:
+            return None
+        coord = mesh.get_coordinate()
+    except (AttributeError, RuntimeError):
+        return None  # a mesh that cannot say where this rank is: the chunk is taken as this rank's alone
     if coord is None:
         return None
     ranks = mesh.mesh  # a tensor of global ranks shaped like the mesh
