@@ -145,6 +145,10 @@ class RestoreReport:
         return [s.tier for s in self.shards]
 
 
+#: a leased slot whose size differs from the save's by at most this many bytes is resized to fit
+_RESIZE_SLACK = 1 << 20
+
+
 class Checkpointer:
     """Tiered checkpoints for one job; see the module docstring for the call order.
 
@@ -563,6 +567,14 @@ class Checkpointer:
             return None
         if nxt[1] == nbytes:
             return nxt[0]
+        if nbytes and abs(nxt[1] - nbytes) <= _RESIZE_SLACK:
+            # the state's values changed size a little (an lr scheduler's state after the first step): the
+            # leased, faulted-in slot is resized to fit rather than traded for a fresh one faulted in now
+            try:
+                os.truncate(nxt[0], nbytes)
+                return nxt[0]
+            except OSError as e:
+                log.debug("could not resize slot %s to %d bytes: %s", nxt[0], nbytes, e)
         self._client.call("release", slot=nxt[0])  # the state changed size: lease one that fits (same process)
         return None
 

@@ -115,6 +115,26 @@ def test_a_fresh_starts_restore_leases_and_maps_the_slot_its_first_save_stages_i
         assert os.path.getsize(shard) == n and os.path.samefile(shard, slot)  # the first save staged there
 
 
+def test_a_first_save_whose_values_grew_since_the_restore_stages_into_the_slot_leased_there(tmp_path):
+    # torchtitan's lr schedulers' state is longer after the first step than at the restore before it
+    shm = str(tmp_path / "shm")
+    state = _state(3)
+    state["sched"] = {"last": [0.1]}
+    with ckpt.Checkpointer("grown", shm=shm) as ck:
+        assert ck.restore(state) is None
+        ck._prelease_fut.result(timeout=60)
+        slot, n = ck._next_slot
+        state["sched"] = {"last": [0.1] * 5000}  # its values now spill into the shard: the shard grows
+        ck.save(0, state).wait()
+        shard = MemoryTier(shm).path(keys.shard_key("grown", 0, 0))
+        assert os.path.getsize(shard) != n and os.path.samefile(shard, slot)
+    got = _state(4)
+    got["sched"] = {"last": []}
+    with ckpt.Checkpointer("grown", shm=shm) as ck:
+        assert ck.restore(got) == 0
+    assert got["sched"]["last"] == [0.1] * 5000
+
+
 def test_a_slot_file_made_again_is_mapped_again(tmp_path):
     """A slot removed and created again under the same name (``ckpt gc`` drops free slots) is a new file: a
     mapping of the old one would stage into memory nobody reads, and the step would commit zeros."""
