@@ -62,7 +62,12 @@ try:
         except OSError as e:
             out["replies"].append("send failed: %s" % e)
             break
-        line = f.readline()
+        try:
+            line = f.readline()
+        except ConnectionResetError:
+            # the agent closed with this request unread: the kernel resets rather than ends the stream
+            out["replies"].append("closed")
+            break
         out["replies"].append(line.decode(errors="replace").strip() or "closed")
         if not line:
             break
