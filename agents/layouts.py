@@ -55,6 +55,8 @@ class LayoutBook:
         self.layout_grace = layout_grace
         #: layouts this agent has parsed, by (job, digest): each is parsed and stored once, then named by digest
         self._parsed: dict[tuple[str, str], Layout] = {}
+        #: (job, layout digest, durable bytes) -> the durable part's layout (see :meth:`durable`)
+        self._durable: dict[tuple[str, str, int], Layout] = {}
         #: (place, job, digest) of layout objects known to be stored in a place (a tier name, or a peer node)
         self._at: set[tuple[str, str, str]] = set()
         self._trimmed: dict[tuple[str, str], float] = {}
@@ -137,6 +139,10 @@ class LayoutBook:
         if isinstance(durable, bool) or not isinstance(durable, int) or not 0 <= durable < layout.end:
             raise RequestError(f"rank {rank}: durable must be an int from 0 to below the layout's end "
                                f"{layout.end}, got {str(durable)[:40]}")
+        known = self._durable.get((job, layout.digest, durable))
+        if known is not None:  # every save of an unchanged layout: computed once
+            await self._keep(job, known)  # stored again if retention removed it meanwhile
+            return known
         head = []
         for c in layout.chunks:
             if not c.nbytes or c.offset + c.nbytes <= durable:
@@ -147,6 +153,9 @@ class LayoutBook:
         if (job, part.digest) not in self._parsed:
             self._parsed[(job, part.digest)] = part
         await self._keep(job, part)
+        if len(self._durable) > 4096:
+            self._durable.pop(next(iter(self._durable)))
+        self._durable[(job, layout.digest, durable)] = part
         return part
 
     async def ensure(self, place: str, tier: Tier, job: str, digest: str, run=asyncio.to_thread) -> None:

@@ -64,6 +64,23 @@ def replicas_of(t: Any) -> Replicas | None:
     mesh = getattr(t, "device_mesh", None)
     if placements is None or mesh is None or hasattr(t, "global_tensor"):
         return None  # not a DTensor; torch-xla's sharded tensor is saved whole by every rank (ckpt._devices.xla)
+    # the same for every tensor of a mesh and placements, at every save: computed once (the save path calls it)
+    key = (mesh, tuple(placements))
+    try:
+        return _known[key]
+    except KeyError:
+        pass
+    except TypeError:  # a mesh that cannot be hashed: computed each time
+        return _holders(mesh, placements)
+    got = _known[key] = _holders(mesh, placements)
+    return got
+
+
+#: (mesh, placements) -> the holders of a chunk of a DTensor laid out so (see :func:`replicas_of`)
+_known: dict[tuple, "Replicas | None"] = {}
+
+
+def _holders(mesh: Any, placements: Any) -> "Replicas | None":
     try:
         rep = tuple(i for i, p in enumerate(placements) if p.is_replicate())
         if not rep:
