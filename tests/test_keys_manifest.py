@@ -265,3 +265,38 @@ def test_manifest_with_one_field_replaced_only_raises_manifest_error(path, value
         node = node[p]
     node[path[-1]] = value
     check_parse(json.dumps(obj).encode())
+
+
+def _with_durable() -> Manifest:
+    shards = (ShardInfo(0, 4096, checksum_bytes(b"a"), (), 0, "0" * 32, (1024, checksum_bytes(b"b"), "1" * 32)),
+              ShardInfo(1, 4096, checksum_bytes(b"c"), (), 1, "2" * 32))
+    return Manifest("j", 3, 2, shards)
+
+
+def test_a_durable_part_round_trips_and_the_shared_tiers_view_lists_it_as_the_shard():
+    from tiers.manifest import durable_view
+
+    m = _with_durable()
+    back = Manifest.from_bytes(m.to_bytes(), job="j", step=3)
+    assert back.shards[0].durable == (1024, checksum_bytes(b"b"), "1" * 32) and back.shards[1].durable is None
+    assert "1" * 32 in back.layouts  # retention keeps the durable part's layout too
+    view = durable_view(back)
+    assert view.metadata["durable_of"] == back.checksum
+    assert (view.shards[0].size, view.shards[0].checksum, view.shards[0].layout) == (1024, checksum_bytes(b"b"),
+                                                                                     "1" * 32)
+    assert view.shards[1] == back.shards[1]
+    assert durable_view(back).to_bytes() == view.to_bytes()  # the same bytes from every node that builds it
+    assert durable_view(view) is view  # it holds no copies of other ranks' chunks itself
+
+
+@pytest.mark.parametrize("bad", [[4096, checksum_bytes(b"b"), "1" * 32], [-1, checksum_bytes(b"b"), "1" * 32],
+                                 [1024, "crc:00", "1" * 32], [1024, checksum_bytes(b"b"), "../x"],
+                                 [1024, checksum_bytes(b"b")], "1024", [True, checksum_bytes(b"b"), "1" * 32]])
+def test_a_damaged_durable_part_is_refused_with_the_field_named(bad):
+    from tiers import _sealed
+
+    obj = _with_durable().to_json()
+    obj["shards"][0]["durable"] = bad
+    sealed, _ = _sealed.seal(_sealed.dumps(obj))  # sealed again: the parser, not the checksum, must refuse it
+    with pytest.raises(ManifestError, match="durable"):
+        Manifest.from_bytes(sealed)
