@@ -51,7 +51,7 @@ from recovery import step_index
 from recovery.inventory import scan_tier
 from tiers import keys
 from tiers.base import Tier
-from tiers.checksum import checksum_file, checksum_file_and_head
+from tiers.checksum import checksum_file, checksum_file_and_heads
 from tiers.disk import DiskTier
 from tiers.errors import TierError
 
@@ -60,7 +60,7 @@ from .drain import ByteBudget, Drainer, delete_step
 from .layouts import LayoutBook
 from .protocol import MAX_LINE, PROTOCOL_VERSION, RequestError, peer_credentials, trusted_uid
 from .replicator import Replicator
-from .stepbook import Row, StepBook
+from .stepbook import Row, StepBook, unique_part
 from .tierset import disk_tier, memory_tier, s3_tier
 from .warm import WarmRestore, idle_report
 
@@ -494,21 +494,32 @@ class Agent:
             meta["every_tier"] = True  # a forced save: every lower tier, whatever disk_every and s3_every say
         durable = req.get("durable")
         part = None if durable is None else await self.layouts.durable(job, rank, layout, durable)
+        unique = req.get("unique")
+        if unique is not None:
+            if not isinstance(unique, list) or len(unique) != 2:
+                raise RequestError("unique must be [bytes, [[rank, ...], ...]]")
+            unique = unique_part(unique[0], unique[1], rank, world, nbytes, durable)
+            cut = next((c for c in layout.chunks if c.nbytes and c.offset < unique[0] < c.offset + c.nbytes), None)
+            if cut is not None:
+                raise RequestError(f"rank {rank}: unique {unique[0]} cuts the chunk {cut.name!r} in two")
         row = Row(job, step, rank, world, nbytes, layout.digest, values, int(req.get("save_index", step)),
-                  meta, self.me, None if part is None else (durable, part.digest))
+                  meta, self.me, None if part is None else (durable, part.digest), unique)
         pend = self.book.admit(row, local=True)
         await asyncio.to_thread(self.memory.adopt, keys.shard_key(job, step, rank), slot)
         owner.leases.discard(slot)
         self._leases.discard(slot)
         self._lease_conn.pop(slot, None)
-        if part is None:
+        if part is None and unique is None:
             self.book.record(pend, row, asyncio.ensure_future(asyncio.to_thread(checksum_file, slot, nbytes)),
                              local=True)
         else:
-            # one pass gives the whole shard's checksum and its durable part's
-            both = asyncio.ensure_future(asyncio.to_thread(checksum_file_and_head, slot, nbytes, durable))
-            whole, head = (asyncio.ensure_future(_pick(both, i)) for i in (0, 1))
-            self.book.record(pend, row, whole, local=True, durable_checksum=head)
+            # one pass gives the whole shard's checksum and those of its durable and unique parts
+            heads = [durable if part is not None else nbytes, unique[0] if unique is not None else 0]
+            every = asyncio.ensure_future(asyncio.to_thread(checksum_file_and_heads, slot, nbytes, heads))
+            whole = asyncio.ensure_future(_pick(every, 0))
+            self.book.record(pend, row, whole, local=True,
+                             durable_checksum=asyncio.ensure_future(_pick_head(every, 0)) if part is not None else None,
+                             unique_checksum=asyncio.ensure_future(_pick_head(every, 1)) if unique is not None else None)
         self.stats["bytes_in"] += nbytes
         if self.replicator is not None:
             asyncio.create_task(self.replicator.share(job, step, rank, world, nbytes, pend))
@@ -737,3 +748,7 @@ def run_agent(settings: Settings, *, embedded: bool = False, idle_exit: float | 
 
 async def _pick(fut: "asyncio.Future", i: int):
     return (await fut)[i]
+
+
+async def _pick_head(fut: "asyncio.Future", i: int):
+    return (await fut)[1][i]

@@ -219,15 +219,35 @@ class Replicator:
 
     # ------------------------------------------------------------------ copies out
     async def share(self, job: str, step: int, rank: int, world: int, nbytes: int, pend: Pending) -> None:
-        """Tell every live peer about a local shard (for its manifest), and copy it to its placement targets."""
-        key = keys.shard_key(job, step, rank)
-        path = self.memory.path(key)
+        """Tell every live peer about a local shard (for its manifest), and copy it to its placement targets:
+        the whole shard, or only its unique part where the job's own replicas hold the rest on enough nodes
+        (:meth:`replicas_cover`)."""
+        shard = keys.shard_key(job, step, rank)
+        path = self.memory.path(shard)
         digest = pend.layouts[rank]
+        head = pend.uniques.get(rank)
+        decided: asyncio.Future | None = None
+
+        async def what() -> tuple[str, int, "str | asyncio.Future"]:
+            """The key to copy, its bytes and checksum: the shard, or its unique part where the job's own
+            replicas hold the rest on enough nodes (:meth:`replicas_cover`)."""
+            if head is not None:
+                if self.book.node_maps.get(job, (None,))[0] != world:
+                    # the job's first step here: where its ranks are is known once the step is committed
+                    with contextlib.suppress(asyncio.TimeoutError):
+                        await asyncio.wait_for(self.book.wait_committed(job, step), self.settings.peer_timeout)
+                if self.replicas_cover(job, world, head[1]):
+                    return keys.head_key(job, step, rank), head[0], head[2]
+            return shard, nbytes, pend.checksums[rank]
 
         async def copy(r: int) -> bool:
+            nonlocal decided
+            if decided is None:
+                decided = asyncio.ensure_future(what())
+            key, size, checksum = await asyncio.shield(decided)
             if not await self._push_layout(r, job, digest):
                 return False
-            return await self._push(r, key, path, nbytes, pend.checksums[rank])
+            return await self._push(r, key, path, size, checksum)
 
         copies = [asyncio.ensure_future(copy(r)) for r in self.members.targets(self.me)]
         under_way = self._copies.setdefault((job, step), set())
@@ -253,8 +273,31 @@ class Replicator:
         if rank in pend.durables:
             n, ddigest, dsum = pend.durables[rank]
             record["durable"] = [n, await dsum, ddigest]
+        if rank in pend.uniques:
+            n, groups, usum = pend.uniques[rank]
+            record["unique"] = [n, await usum, [list(g) for g in groups]]
         self.dis.submit([record])
         await asyncio.gather(*copies)
+
+    def replicas_cover(self, job: str, world: int, groups: tuple[tuple[int, ...], ...],
+                       nodes: dict[int, int] | None = None) -> bool:
+        """Whether every holder group of a shard's replicated chunks spans ``replicas`` live nodes of this job,
+        by ``nodes`` (rank → node) or else by where its ranks saved the newest step committed here
+        (:attr:`StepBook.node_maps`): then the job's
+        own replicas keep as many copies of those chunks in memory as placement would, on distinct nodes, and
+        a peer needs only the shard's unique part. False while the ranks' nodes are not known (the job's
+        first step): the whole shard is copied, as for any other."""
+        if nodes is None:
+            known = self.book.node_maps.get(job)
+            if known is None or known[0] != world:
+                return False
+            nodes = known[1]
+        alive = self.members.alive()
+        for g in groups:
+            where = {nodes.get(h) for h in g}
+            if None in where or not where <= alive or len(where) < min(self.settings.replicas, len(alive)):
+                return False
+        return True
 
     async def _push(self, r: int, key: str, src: str | bytes, nbytes: int,
                     checksum: "str | asyncio.Future | None" = None) -> bool:
@@ -520,6 +563,10 @@ class Replicator:
         os.makedirs(folder, exist_ok=True)
         tmp = os.path.join(folder, f".tmp-pull-{uuid.uuid4().hex}")
         peer = self.peer_tiers[src]
+        info = keys.parse_key(key)
+        if info is not None and info.head:
+            # a shard's head is the first bytes of the shard the source holds
+            key = keys.shard_key(info.job, info.step, info.rank)
         try:
             fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
             try:
@@ -660,17 +707,25 @@ class Replicator:
                     # the lowest live holder pushes, so exactly one node acts for each shard
                     if not have or have[0] != self.me:
                         continue
+                    # where the job's own replicas hold the rest, a partner needs only the unique part
+                    head = sh.unique is not None and self.replicas_cover(
+                        job, st.manifest.world, sh.unique[2], {s.rank: s.node for s in st.manifest.shards})
+                    hkey = keys.head_key(job, step, sh.rank)
                     for r in want:
-                        if r not in held or key in held[r]:
+                        if r not in held or key in held[r] or (head and hkey in held[r]):
                             continue
                         if sh.layout and keys.layout_key(job, sh.layout) not in held[r]:
                             self.layouts.forget(f"node-{r}", job, sh.layout)  # it came back empty
                             if not await self._push_layout(r, job, sh.layout):
                                 continue
                             held[r].add(keys.layout_key(job, sh.layout))
-                        if await self._push(r, key, self.memory.path(key), sh.size, sh.checksum):
+                        if head:
+                            got = await self._push(r, hkey, self.memory.path(key), sh.unique[0], sh.unique[1])
+                        else:
+                            got = await self._push(r, key, self.memory.path(key), sh.size, sh.checksum)
+                        if got:
                             made += 1
-                            held[r].add(key)
+                            held[r].add(hkey if head else key)
                             if mkey not in held[r]:
                                 data = await asyncio.to_thread(self.memory.get, mkey)
                                 if await self._push(r, mkey, data, len(data)):

@@ -59,6 +59,9 @@ class Pending:
     #: ranks that hold copies another rank writes to the shared tier: (bytes of the durable part, its
     #: layout's digest, its checksum) -- see ``ShardInfo.durable``
     durables: dict[int, tuple[int, str, asyncio.Future]] = field(default_factory=dict)
+    #: ranks that hold chunks other ranks hold copies of: (bytes of the unique part, the holder groups, its
+    #: checksum) -- see ``ShardInfo.unique``
+    uniques: dict[int, tuple[int, tuple, asyncio.Future]] = field(default_factory=dict)
     nodes: dict[int, int] = field(default_factory=dict)
     created: float = field(default_factory=time.time)
     #: the manifest is being built (all ``world`` rows are here)
@@ -83,11 +86,14 @@ class Row:
     node: int
     #: (bytes, layout digest) of the shard's durable part when it holds copies another rank writes
     durable: tuple[int, str] | None = None
+    #: (bytes, holder groups) of the shard's unique part when other ranks hold copies of some of its chunks
+    unique: tuple[int, tuple[tuple[int, ...], ...]] | None = None
 
     @classmethod
-    def parse(cls, rec: dict) -> tuple["Row", str]:
-        """A row sent up the commit tree and its checksum; ValueError, KeyError or TypeError if malformed
-        (a field missing, of the wrong type, out of range, or a value no manifest can hold)."""
+    def parse(cls, rec: dict) -> tuple["Row", str, str | None, str | None]:
+        """A row sent up the commit tree, its checksum and those of its durable and unique parts (None when it
+        has none); ValueError, KeyError or TypeError if malformed (a field missing, of the wrong type, out of
+        range, or a value no manifest can hold)."""
         if not isinstance(rec, dict):
             raise RequestError("a commit row is a JSON object")
         job = keys.check_job(rec["job"])
@@ -115,9 +121,34 @@ class Row:
             if n >= nbytes or not isinstance(durable[1], str) or not CHECKSUM_RE.match(durable[1]):
                 raise RequestError("durable bytes or checksum out of range")
             durable = (n, keys.check_digest(durable[2]), durable[1])
+        unique = rec.get("unique")
+        if unique is not None:
+            if not (isinstance(unique, list) and len(unique) == 3) or not isinstance(unique[1], str) \
+                    or not CHECKSUM_RE.match(unique[1]):
+                raise RequestError("unique must be [bytes, checksum, [[rank, ...], ...]]")
+            n = unique_part(unique[0], unique[2], rank, world, nbytes, durable[0] if durable else None)
+            unique = (*n, unique[1])
         row = cls(job, step, rank, world, nbytes, digest, values, save_index, metadata, node,
-                  durable[:2] if durable else None)
-        return row, rec["checksum"], (durable[2] if durable else None)
+                  durable[:2] if durable else None, unique[:2] if unique else None)
+        return row, rec["checksum"], (durable[2] if durable else None), (unique[2] if unique else None)
+
+
+def unique_part(n: object, groups: object, rank: int, world: int, nbytes: int, durable: int | None
+                ) -> tuple[int, tuple[tuple[int, ...], ...]]:
+    """A row's unique part ``(bytes, holder groups)`` checked: bytes within the shard (and its durable part),
+    each group two or more distinct ranks of the world, ``rank`` among them. RequestError otherwise."""
+    if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= (nbytes if durable is None else durable):
+        raise RequestError(f"unique bytes must be an int from 0 to the shard's durable part, got {str(n)[:40]}")
+    if not isinstance(groups, list) or not groups or len(groups) > 4096:
+        raise RequestError("unique groups must be a list of 1 to 4096 lists of ranks")
+    out = []
+    for g in groups:
+        if not (isinstance(g, list) and 2 <= len(g) <= world and all(type(r) is int and 0 <= r < world for r in g)
+                and len(set(g)) == len(g) and rank in g):
+            raise RequestError(f"a unique group must be 2 or more distinct ranks of the world, rank {rank} among "
+                               f"them; got {str(g)[:80]}")
+        out.append(tuple(g))
+    return n, tuple(out)
 
 
 #: the largest count a commit row may carry (world, bytes, node, save index): what a manifest's JSON holds exactly
@@ -160,6 +191,11 @@ class StepBook:
         #: manifests parsed here, for every part that reads one again (drains, healing)
         self.manifests = ManifestCache()
         self._locks: dict[str, asyncio.Lock] = {}
+        #: per job whose ranks hold copies of each other's chunks: (world, rank → node) of the newest step
+        #: committed here, for the replication policy (``Replicator.replicas_cover``)
+        self.node_maps: dict[str, tuple[int, dict[int, int]]] = {}
+        #: steps someone waits to see committed here (or dropped): :meth:`wait_committed`
+        self._commit_waits: dict[tuple[str, int], asyncio.Event] = {}
 
     def lock(self, job: str) -> asyncio.Lock:
         """The job's commit lock: a step's manifest is written and its drains queued under it, and a rewind
@@ -197,6 +233,18 @@ class StepBook:
         """Whether any step is being written to a lower tier."""
         return any(self.draining.values())
 
+    async def wait_committed(self, job: str, step: int) -> None:
+        """Return once ``step`` is no longer pending here: committed, or dropped (rewound, abandoned)."""
+        if (job, step) not in self.pending:
+            return
+        ev = self._commit_waits.setdefault((job, step), asyncio.Event())
+        await ev.wait()
+
+    def _not_pending(self, job: str, step: int) -> None:
+        ev = self._commit_waits.pop((job, step), None)
+        if ev is not None:
+            ev.set()
+
     def settle(self, job: str, step: int) -> None:
         ev = self.settled.get((job, step))
         if ev:
@@ -205,6 +253,7 @@ class StepBook:
     def abandon(self, job: str, step: int) -> None:
         """Forget a step some ranks committed that will never be complete here (it is being deleted)."""
         pend = self.pending.pop((job, step), None)
+        self._not_pending(job, step)
         if pend is not None:
             log.warning("%s step %d abandoned: only ranks %s of %d committed it", job, step,
                         sorted(pend.sizes), pend.world)
@@ -215,6 +264,7 @@ class StepBook:
         The commit tree forgets its manifest too: the new run's rows for the same step are new rows, not
         late ones to answer with the manifest of the run that failed."""
         self.pending.pop((job, step), None)
+        self._not_pending(job, step)
         ev = self.settled.pop((job, step), None)
         if ev is not None:
             ev.set()
@@ -247,10 +297,12 @@ class StepBook:
         return pend
 
     def record(self, pend: Pending, row: Row, checksum: asyncio.Future, *, local: bool,
-               durable_checksum: asyncio.Future | None = None) -> None:
+               durable_checksum: asyncio.Future | None = None, unique_checksum: asyncio.Future | None = None
+               ) -> None:
         """Second half: add the row (a rank's first row counts); a step with all ``world`` rows gets its
         manifest built — here, unless this is a trainer's row and the commit tree's root builds it.
-        ``durable_checksum``: the checksum of the row's durable part, for a row that has one."""
+        ``durable_checksum`` / ``unique_checksum``: the checksums of the row's durable and unique parts, for
+        a row that has them."""
         if row.rank not in pend.sizes:
             pend.sizes[row.rank] = row.nbytes
             pend.entries[row.rank] = row.values
@@ -260,6 +312,9 @@ class StepBook:
             if row.durable is not None:
                 assert durable_checksum is not None
                 pend.durables[row.rank] = (row.durable[0], row.durable[1], durable_checksum)
+            if row.unique is not None:
+                assert unique_checksum is not None
+                pend.uniques[row.rank] = (row.unique[0], row.unique[1], unique_checksum)
         if local and self.tree is not None:
             return  # the rows go up the commit tree; its root builds the manifest
         if len(pend.sizes) == pend.world and not pend.finishing:
@@ -272,7 +327,7 @@ class StepBook:
         loop = asyncio.get_running_loop()
         for rec in rows:
             try:
-                row, checksum, durable_checksum = Row.parse(rec)
+                row, checksum, durable_checksum, unique_checksum = Row.parse(rec)
             except (ValueError, KeyError, TypeError) as e:
                 log.warning("commit row dropped: %s", e)
                 continue
@@ -285,11 +340,14 @@ class StepBook:
                 continue
             fut = loop.create_future()
             fut.set_result(checksum)
-            dfut = None
+            dfut = ufut = None
             if durable_checksum is not None:
                 dfut = loop.create_future()
                 dfut.set_result(durable_checksum)
-            self.record(pend, row, fut, local=False, durable_checksum=dfut)
+            if unique_checksum is not None:
+                ufut = loop.create_future()
+                ufut.set_result(unique_checksum)
+            self.record(pend, row, fut, local=False, durable_checksum=dfut, unique_checksum=ufut)
 
     # ------------------------------------------------------------------ commit
     async def finish(self, job: str, step: int, pend: Pending) -> None:
@@ -303,8 +361,12 @@ class StepBook:
                 if r in pend.durables:
                     n, digest, dsum = pend.durables[r]
                     durable = (n, await dsum, digest)
+                unique = None
+                if r in pend.uniques:
+                    n, groups, usum = pend.uniques[r]
+                    unique = (n, await usum, groups)
                 shards.append(ShardInfo(r, pend.sizes[r], await pend.checksums[r], pend.entries[r],
-                                        pend.nodes.get(r, self.me), pend.layouts[r], durable))
+                                        pend.nodes.get(r, self.me), pend.layouts[r], durable, unique))
             meta = dict(pend.metadata)
             meta["save_index"] = pend.save_index
             m = Manifest(job, step, pend.world, tuple(shards), meta, created=pend.created)
@@ -318,6 +380,7 @@ class StepBook:
                 return
             self.error(job, f"step {step} could not be committed to memory: {e}")
             self.pending.pop(key, None)
+            self._not_pending(job, step)
             self.settled.setdefault(key, asyncio.Event()).set()
             return
         await self.commit_manifest(m, data, broadcast=True, pend=pend)
@@ -384,11 +447,15 @@ class StepBook:
             except Exception as e:
                 self.error(job, f"step {step} could not be committed to memory: {e}")
                 self.pending.pop(key, None)
+                self._not_pending(job, step)
                 settled.set()
                 return False
             self.pending.pop(key, None)
             self.seen(job, step)
             self.stats["saves"] += 1
+            if any(sh.unique is not None for sh in m.shards):
+                self.node_maps[job] = (m.world, {sh.rank: sh.node for sh in m.shards})
+            self._not_pending(job, step)
             if self.tree is not None:
                 self.tree.committed(job, step, data)
                 if broadcast:

@@ -22,6 +22,7 @@ import torch
 
 from recovery import RestorePlan, ShardReport, open_shard, source_name
 from recovery.fetch import ShardUnavailableError
+from tiers.errors import TierError
 from tiers import keys
 from tiers.base import Tier
 from tiers.manifest import BYTES_DTYPE, VALUES_NAME, JsonEntry, TensorChunk, parse_spilled
@@ -133,6 +134,14 @@ def values_rank(plan: RestorePlan, rank: int, names: Any) -> int:
     return max(order, key=lambda r: (held[r], -order.index(r)))
 
 
+@dataclasses.dataclass
+class _Rebuilt:
+    """A shard put together from a head and replicas' chunks, in the shape :meth:`ShardLoader._apply` reads."""
+
+    view: memoryview
+    report: ShardReport
+
+
 class ShardLoader:
     """Loads this rank's part of a planned step into a state (see the module docstring).
 
@@ -195,6 +204,8 @@ class ShardLoader:
             shard.close()
 
     def load(self, plan: RestorePlan, state: dict) -> ShardReport:
+        if self.rank in plan.replicas:
+            return self._load_replicas(plan, state)
         info = plan.manifest.shard(self.rank)
         key = keys.shard_key(plan.job, plan.step, self.rank)
         rest = list(plan.sources.get(self.rank, []))
@@ -226,6 +237,79 @@ class ShardLoader:
             return self._apply(plan, state, info, shard)
         finally:
             shard.close()
+
+    def _load_replicas(self, plan: RestorePlan, state: dict) -> ShardReport:
+        """Rebuild this rank's shard from its unique part (a peer's copy of its head) and the verified shards of
+        ranks of its holder groups (``plan.replicas``), then load it like a shard read whole.
+
+        Every byte comes verified: the head against ``ShardInfo.unique``'s checksum, each holder's shard
+        against its own. A chunk after the unique part is taken from a holder's shard only where the holder
+        has the same tensor, offsets, shape and dtype after its own unique part: chunks both ranks hold as
+        replicas of one DTensor, identical by construction. The whole shard's checksum is not checked: the
+        padding between chunks is not restored (nothing reads it)."""
+        from tiers.checksum import checksum_bytes
+
+        t0 = time.perf_counter()
+        info = plan.manifest.shard(self.rank)
+        route = plan.replicas[self.rank]
+        assert info.unique is not None
+        n, head_sum, _ = info.unique
+        buf = bytearray(info.size)
+        view = memoryview(buf)
+        failures: list[str] = []
+        sources: list[str] = []
+        if n:
+            hkey = keys.head_key(plan.job, plan.step, self.rank)
+            for tier in route.heads:
+                try:
+                    data = tier.get(hkey)
+                except (OSError, TierError) as e:
+                    failures.append(f"{source_name(tier)}: {e}")
+                    continue
+                got = checksum_bytes(data) if self.verify else head_sum
+                if len(data) != n or got != head_sum:
+                    failures.append(f"{source_name(tier)}: {hkey} has {len(data)} bytes, checksum {got}; the "
+                                    f"manifest says {n}, {head_sum}")
+                    continue
+                view[:n] = data
+                sources.append(source_name(tier))
+                break
+            else:
+                raise ShardUnavailableError(
+                    f"shard {self.rank} of {plan.job!r} step {plan.step}: its unique part could not be read intact "
+                    f"from any peer ({'; '.join(failures) or 'none holds it'})")
+        chunks = [e for e in plan.entries(self.rank) if isinstance(e, TensorChunk) and e.nbytes and e.offset >= n]
+        left = {(e.name, e.offsets, e.shape, e.dtype, e.global_shape): e for e in chunks}
+        for q in route.holders:
+            if not left:
+                break
+            qn = plan.manifest.shard(q).unique
+            start = qn[0] if qn is not None else plan.manifest.shard(q).size
+            keep: list[torch.Tensor] = []
+            shard = open_shard(plan, q, buffer_allocator(keep), verify=self.verify)
+            try:
+                failures += shard.report.failures
+                sources.append(shard.report.source)
+                for qe in plan.entries(q):
+                    if not isinstance(qe, TensorChunk) or qe.offset < start:
+                        continue
+                    e = left.pop((qe.name, qe.offsets, qe.shape, qe.dtype, qe.global_shape), None)
+                    if e is not None and qe.nbytes == e.nbytes:
+                        view[e.offset:e.offset + e.nbytes] = shard.view[qe.offset:qe.offset + qe.nbytes]
+                    elif e is not None:
+                        left[(e.name, e.offsets, e.shape, e.dtype, e.global_shape)] = e
+            finally:
+                shard.close()
+                keep.clear()
+        if left:
+            names = sorted({k[0] for k in left})
+            raise ShardUnavailableError(
+                f"shard {self.rank} of {plan.job!r} step {plan.step}: {', '.join(names[:5])} held by none of the "
+                f"replicas read (ranks {route.holders})")
+        report = ShardReport(self.rank, "replicas", info.size, time.perf_counter() - t0, failures,
+                             " + ".join(dict.fromkeys(sources)))
+
+        return self._apply(plan, state, info, _Rebuilt(view, report))
 
     def _load_direct(self, plan: RestorePlan, state: dict, info: Any, tier: Tier,
                      read_batch: Callable[[list[tuple[int, memoryview]]], None]) -> ShardReport | str:

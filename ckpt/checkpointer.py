@@ -418,7 +418,7 @@ class Checkpointer:
         if self.overlap:
             self._install_hook()  # before flattening: a container's state_dict may take an optimizer step
         flat = flatten_state(state)
-        layout, values, copies, total, durable = self._layout(flat)
+        layout, values, copies, total, durable, unique = self._layout(flat)
         slot = self._take_prelease(total)
         if slot is None:
             try:
@@ -452,7 +452,8 @@ class Checkpointer:
                 r = self._commit(step=step, slot=slot, nbytes=total, layout=layout, values=values,
                                  save_index=step // self.every, metadata=meta,
                                  **({"every_tier": True} if force else {}),
-                                 **({"durable": durable} if durable < total else {}))
+                                 **({"durable": durable} if durable < total else {}),
+                                 **({"unique": list(unique)} if unique is not None else {}))
                 self._collect(r)
                 # queued before the save is reported staged, so the next save always sees (and waits for) it
                 self._prelease_fut = self._leaser.submit(self._prelease, total)
@@ -619,15 +620,24 @@ class Checkpointer:
                 send = True  # the agent restarted, or dropped it: send the entries again
         raise AssertionError("unreachable")
 
-    def _layout(self, flat: Flat) -> tuple[Layout, list[list], list[tuple[torch.Tensor, int, int, bool]], int, int]:
-        """The shard's layout, its JSON values, the copies that fill it, its size, and its durable part: the
-        chunks this rank writes to the shared tier come first (its own, those it owns of the chunks other
-        ranks hold copies of, its values), then the copies another rank writes (:mod:`ckpt._replicas`)."""
+    def _layout(self, flat: Flat) -> tuple[Layout, list[list], list[tuple[torch.Tensor, int, int, bool]], int,
+                                          int, tuple[int, list[list[int]]] | None]:
+        """The shard's layout, its JSON values, the copies that fill it, its size, its durable part and its
+        unique part. The shard is laid out in three parts (:mod:`ckpt._replicas`):
+
+        * what no other rank holds a copy of: its own chunks, bytes values, spilled JSON values -- the *unique*
+          part, ``(bytes, the holder groups of the rest)``, None when no chunk is held elsewhere;
+        * the chunks other ranks hold copies of that this rank writes to the shared tier (it owns them); with
+          the unique part, the *durable* part: what this rank writes to S3;
+        * the copies another rank writes.
+        """
         chunks: list[TensorChunk] = []
         values: list[list] = []
         copies = []
         off = 0
+        owned: list[tuple[Any, torch.Tensor, tuple, tuple, int]] = []
         tail: list[tuple[Any, torch.Tensor, tuple, tuple, int]] = []
+        groups: dict[tuple[int, ...], None] = {}
         balance = OwnerBalance()
 
         def place(name: str, local: torch.Tensor, gshape: tuple, offsets: tuple, n: int, guarded: bool) -> None:
@@ -655,8 +665,10 @@ class Checkpointer:
                 local = local.detach()
             n = local.numel() * local.element_size()
             rep = replicas_of(leaf.tensor) if n else None
-            if rep is not None and not balance.deal(rep, n).mine:
-                tail.append((leaf, local, gshape, offsets, n))  # another holder writes it to the shared tier
+            if rep is not None:
+                groups[rep.holders] = None
+                # another holder writes it to the shared tier, or this rank does for all of them
+                (owned if balance.deal(rep, n).mine else tail).append((leaf, local, gshape, offsets, n))
                 continue
             place(leaf.name, local, gshape, offsets, n, leaf.guarded and self.overlap)
         if values:
@@ -669,6 +681,9 @@ class Checkpointer:
                 copies.append((torch.frombuffer(bytearray(blob), dtype=torch.uint8), off, n, False))
                 off += n
                 values = []
+        unique = off
+        for leaf, local, gshape, offsets, n in owned:
+            place(leaf.name, local, gshape, offsets, n, leaf.guarded and self.overlap)
         durable = off
         for leaf, local, gshape, offsets, n in tail:
             place(leaf.name, local, gshape, offsets, n, leaf.guarded and self.overlap)
@@ -676,7 +691,7 @@ class Checkpointer:
         if layout == self._last_layout:
             layout = self._last_layout  # keeps its digest: computed once while the layout does not change
         self._last_layout = layout
-        return layout, values, copies, off, durable
+        return layout, values, copies, off, durable, ((unique, [list(g) for g in groups]) if groups else None)
 
     # ------------------------------------------------------------------ wait / close
     def _agent_wait(self, step: int | None, timeout: float | None) -> None:
@@ -771,7 +786,7 @@ class Checkpointer:
         """The newest step complete in any tier this rank can reach, or None."""
         from recovery.planner import complete_steps
 
-        steps = complete_steps(scan_tiers(self.tiers(), self.job), self.job, [self.rank])
+        steps = complete_steps(scan_tiers(self.tiers(), self.job), self.job, [self.rank], replicas=True)
         return steps[-1] if steps else None
 
     def restore(self, state: dict, step: int | None = None, *, keep_state: bool = True) -> int | None:
@@ -811,14 +826,14 @@ class Checkpointer:
 
         # memory, peers and disk first; S3 (a client to create, a prefix to list) only when it may matter
         invs = scan_tiers(self._near_tiers(), self.job)
-        steps = complete_steps(invs, self.job, [self.rank])
+        steps = complete_steps(invs, self.job, [self.rank], replicas=True)
         far = self.settings.s3 is not None
 
         def add_far() -> list[int]:
             nonlocal invs, far
             far = False
             invs = invs + scan_tiers(self._far_tiers(), self.job)
-            return complete_steps(invs, self.job, [self.rank])
+            return complete_steps(invs, self.job, [self.rank], replicas=True)
 
         if far and ((step is not None and step not in steps)
                     or self._far_may_be_newer(steps[-1] if steps else -1)):
@@ -944,7 +959,9 @@ class Checkpointer:
         except AgentError as e:
             log.warning("the agent could not drop steps after %d: %s", agreed, e)
         costs, costs_file = node_costs(self.settings.shm, invs)
-        plan = plan_restore(invs, self.job, agreed, [self.rank], costs=costs, skip=skip)
+        # this rank's own shard, or (when only disk or S3 hold it, or nothing does) its unique part and the
+        # shards of the data-parallel replicas that hold the rest, from memory
+        plan = plan_restore(invs, self.job, agreed, [self.rank], costs=costs, skip=skip, replicas=True)
         # another world size, or the shared tier's manifest of a step whose ranks held copies of each other's
         # chunks (each chunk is in the shard of the rank that wrote it): every chunk from whichever shard has it
         if plan.manifest.world != self.world or "durable_of" in plan.manifest.metadata:
@@ -968,7 +985,7 @@ class Checkpointer:
     def _learn(costs: Any, path: str | None, reports: list[ShardReport]) -> None:
         """Feed this restore's transfers to the node's cost model, so the next restore orders sources by them."""
         for r in reports:
-            if r.source and r.nbytes:
+            if r.source and r.nbytes and r.tier != "replicas":  # several places at once: no one place's cost
                 costs.observe(r.source, r.nbytes, r.seconds, kind=r.tier)
         if path is not None:
             try:

@@ -491,13 +491,13 @@ def _restorable_without(invs: list[TierInventory], job: str, doomed: set[tuple[i
         v = TierInventory(inv.tier, error=inv.error)
         v.steps[job] = {s: st for s, st in inv.job(job).items() if (i, s) not in doomed}
         views.append(v)
-    return set(complete_steps(views, job))
+    return set(complete_steps(views, job, replicas=True))
 
 
 def _remove(tier: Tier, job: str, step: int, st: StepInTier, stale: bool) -> int | None:
     """Remove one step from one tier, manifest first; bytes freed, or None when a stale step got committed meanwhile."""
     mkey = keys.manifest_key(job, step)
-    freed = sum(n for n in st.shards.values() if n > 0)
+    freed = sum(n for n in [*st.shards.values(), *st.heads.values()] if n > 0)
     if stale:
         try:
             tier.stat(mkey)
@@ -523,7 +523,8 @@ def cmd_gc(a: argparse.Namespace) -> int:
     s = _settings(a)
     invs = _inventories(s, job)
     explicit = a.all or a.step is not None
-    restorable = set(complete_steps(invs, job))
+    # a step whose ranks can be restored from the job's own replicas counts as restorable: never removed as if not
+    restorable = set(complete_steps(invs, job, replicas=True))
     doomed: set[tuple[int, int]] = set()
     for i, inv in enumerate(invs):
         if inv.error is not None:

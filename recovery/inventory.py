@@ -64,6 +64,9 @@ class StepInTier:
     problem: str | None = None
     #: the manifest is present but was not read (a scan that only lists: see :func:`scan_tier`)
     unread: bool = False
+    #: rank → stored size of the copies of shards' heads here (``keys.head_key``: a peer holds a shard's
+    #: ``ShardInfo.unique`` bytes only when the job's own replicas hold the rest)
+    heads: dict[int, int] = field(default_factory=dict)
 
     @property
     def committed(self) -> bool:
@@ -129,7 +132,7 @@ class StepInTier:
 
     @property
     def nbytes(self) -> int:
-        return sum(self.shards.values())
+        return sum(self.shards.values()) + sum(max(n, 0) for n in self.heads.values())
 
 
 @dataclass
@@ -223,6 +226,8 @@ def scan_tier(tier: Tier, job: str | None = None, *, with_sizes: bool = True,
         if info.is_manifest:
             st.has_manifest = True
             st.unread = not manifests
+        elif info.head:
+            st.heads[info.rank] = -1
         else:
             st.shards[info.rank] = -1
     took: list[float] = []
@@ -256,6 +261,11 @@ def _fill(tier: Tier, st: StepInTier, with_sizes: bool, took: list[float], parse
         except (TierError, OSError) as e:
             st.problem = f"shard {rank} unreadable: {e}"
             del st.shards[rank]
+    for rank in list(st.heads):
+        try:
+            st.heads[rank] = tier.stat(keys.head_key(st.job, st.step, rank)).size if with_sizes else 0
+        except (TierError, OSError):
+            del st.heads[rank]  # a head is only ever a spare copy: one that cannot be read is not counted
 
 
 def scan_tiers(tiers: list[Tier], job: str | None = None, timeout: float = 30.0) -> list[TierInventory]:

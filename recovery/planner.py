@@ -15,12 +15,13 @@ from tiers import keys
 from tiers.base import Tier
 from tiers.errors import ManifestError, TierError
 from tiers.layout import Layout
-from tiers.manifest import Entry, Manifest
+from tiers.manifest import Entry, Manifest, ShardInfo
 
 from .costs import CostModel, source_name
 from .inventory import TierInventory
 
-__all__ = ["JobNotFoundError", "LayoutUnavailableError", "RestoreError", "RestorePlan", "StepNotFoundError",
+__all__ = ["JobNotFoundError", "LayoutUnavailableError", "ReplicaRoute", "RestoreError", "RestorePlan",
+           "StepNotFoundError",
            "committed_steps", "complete_steps", "describe_step", "load_layouts", "manifest_for", "plan_restore",
            "unreachable"]
 
@@ -69,6 +70,21 @@ def describe_step(invs: list[TierInventory], job: str, step: int) -> str:
     return "; ".join(out)
 
 
+#: the places a node keeps in memory: a restore from them reads no disk and no S3
+_MEMORY_TIERS = frozenset({"memory", "peer"})
+
+
+@dataclass
+class ReplicaRoute:
+    """How a rank whose own shard no planned place holds (or only disk or S3 does) is restored from the job's
+    own replicas (``ShardInfo.unique``): its unique part from ``heads`` (tiers holding ``keys.head_key``,
+    in order; none needed when the part is empty), every other chunk from the shard of one rank of each
+    holder group, ``holders`` (read like any planned shard: ``RestorePlan.sources`` lists their tiers)."""
+
+    heads: list[Tier]
+    holders: list[int]
+
+
 @dataclass
 class RestorePlan:
     """What to restore: ``manifest`` of ``step`` and, per rank, the tiers to read it from in order.
@@ -85,6 +101,8 @@ class RestorePlan:
     estimates: dict[int, float] = field(default_factory=dict)
     #: the layouts of the planned ranks, by digest (read and verified while planning)
     layouts: dict[str, Layout] = field(default_factory=dict)
+    #: ranks restored from the job's own replicas instead of their own shard (:class:`ReplicaRoute`)
+    replicas: dict[int, ReplicaRoute] = field(default_factory=dict)
 
     def entries(self, rank: int) -> tuple[Entry, ...]:
         """What ``rank`` saved: its tensor chunks (from its layout) and its JSON values."""
@@ -119,26 +137,88 @@ def manifest_for(invs: list[TierInventory], job: str, step: int,
 
 
 def _sources(invs: list[TierInventory], job: str, step: int, m: Manifest,
-             ranks: list[int] | None = None, costs: CostModel | None = None) -> dict[int, list[Tier]] | None:
+             ranks: list[int] | None = None, costs: CostModel | None = None,
+             routes: dict[int, ReplicaRoute] | None = None) -> dict[int, list[Tier]] | None:
+    """Per wanted rank, the tiers holding its shard in full, cheapest first; None when some rank's shard is
+    nowhere. With ``routes`` (filled in), a rank whose shard is nowhere, or only in disk or S3, is restored
+    from its replicas when they and its unique part are reachable (in memory, for the second case): its
+    holders' tiers are added to the result instead of its own."""
     sources: dict[int, list[Tier]] = {}
     for shard in m.shards:
         if ranks is not None and shard.rank not in ranks:
             continue
-        where = []
-        for inv in invs:
-            st = inv.job(job).get(step)
-            if st is not None and st.shards.get(shard.rank) == shard.size:
-                where.append(inv.tier)
+        where = _holding(invs, job, step, shard.rank, shard.size)
+        if where and costs is not None:
+            where = costs.order(where, shard.size)
+        if routes is not None and shard.unique is not None and (not where or where[0].name not in _MEMORY_TIERS):
+            route = _replica_route(invs, job, step, m, shard, costs, in_memory=bool(where))
+            if route is not None:
+                routes[shard.rank] = route[0]
+                for q, tiers in route[1].items():
+                    sources.setdefault(q, tiers)
+                continue
         if not where:
             return None
-        sources[shard.rank] = costs.order(where, shard.size) if costs is not None else where
+        sources[shard.rank] = where
     return sources
 
 
-def complete_steps(invs: list[TierInventory], job: str, ranks: list[int] | None = None) -> list[int]:
-    """Steps whose manifest and every shard (of ``ranks``, all if None) can be read somewhere, ascending."""
+def _holding(invs: list[TierInventory], job: str, step: int, rank: int, size: int) -> list[Tier]:
+    out = []
+    for inv in invs:
+        st = inv.job(job).get(step)
+        if st is not None and st.shards.get(rank) == size:
+            out.append(inv.tier)
+    return out
+
+
+def _replica_route(invs: list[TierInventory], job: str, step: int, m: Manifest, shard: ShardInfo,
+                   costs: CostModel | None, in_memory: bool) -> tuple[ReplicaRoute, dict[int, list[Tier]]] | None:
+    """Where ``shard``'s unique part and one holder of each of its holder groups are (cheapest holder,
+    cheapest place first), or None when one is nowhere (with ``in_memory``: in no memory tier)."""
+    assert shard.unique is not None
+    n, _, groups = shard.unique
+    heads = []
+    if n:
+        for inv in invs:
+            st = inv.job(job).get(step)
+            if st is not None and st.heads.get(shard.rank) == n:
+                heads.append(inv.tier)
+        if in_memory:
+            heads = [t for t in heads if t.name in _MEMORY_TIERS]
+        if not heads:
+            return None
+    holders: dict[int, list[Tier]] = {}
+    for g in groups:
+        best = None
+        for q in g:
+            if q == shard.rank or q >= m.world:
+                continue
+            size = m.shard(q).size
+            where = _holding(invs, job, step, q, size)
+            if in_memory:
+                where = [t for t in where if t.name in _MEMORY_TIERS]
+            if not where:
+                continue
+            if costs is not None:
+                where = costs.order(where, size)
+            cost = costs.estimate(where[0], size) if costs is not None else 0.0
+            if best is None or cost < best[0]:
+                best = (cost, q, where)
+        if best is None:
+            return None
+        holders.setdefault(best[1], best[2])
+    return ReplicaRoute(heads, sorted(holders)), holders
+
+
+def complete_steps(invs: list[TierInventory], job: str, ranks: list[int] | None = None,
+                   replicas: bool = False) -> list[int]:
+    """Steps whose manifest and every shard (of ``ranks``, all if None) can be read somewhere, ascending; with
+    ``replicas``, a shard counts as readable when its rank can be restored from the job's own replicas
+    (:class:`ReplicaRoute`)."""
     return sorted(s for s, got in _candidates(invs, job).items()
-                  if any(_sources(invs, job, s, m, ranks) is not None for m, _ in got))
+                  if any(_sources(invs, job, s, m, ranks, routes={} if replicas else None) is not None
+                         for m, _ in got))
 
 
 def load_layouts(invs: list[TierInventory], job: str, m: Manifest,
@@ -182,7 +262,7 @@ class LayoutUnavailableError(StepNotFoundError):
 
 def plan_restore(invs: list[TierInventory], job: str, step: int | None = None,
                  ranks: list[int] | None = None, costs: CostModel | None = None,
-                 skip: set[str] | frozenset[str] = frozenset()) -> RestorePlan:
+                 skip: set[str] | frozenset[str] = frozenset(), replicas: bool = False) -> RestorePlan:
     """Plan the restore of ``step`` (the newest complete one if None) for ``ranks`` (all if None).
 
     A rank of a job restarted with the same world size reads only its own
@@ -190,7 +270,9 @@ def plan_restore(invs: list[TierInventory], job: str, step: int | None = None,
     With ``costs`` each shard's sources are ordered by ``costs.order`` for the
     shard's size and ``RestorePlan.estimates`` is filled; without, they keep
     the order of ``invs``. Manifests whose checksum is in ``skip`` (copies a restore already failed with)
-    are passed over for another tier's different manifest of the same step.
+    are passed over for another tier's different manifest of the same step. With ``replicas``, a rank
+    whose shard is nowhere, or only in disk or S3, may be planned from the job's own replicas in memory
+    (``RestorePlan.replicas``): for a caller that loads such a plan (:meth:`ckpt._load.ShardLoader.load`).
 
     Raises JobNotFoundError when no tier knows the job, StepNotFoundError when
     the step is not complete anywhere (the message lists the steps that are).
@@ -205,12 +287,15 @@ def plan_restore(invs: list[TierInventory], job: str, step: int | None = None,
         if s not in cands:
             break
         for m, mt in cands[s]:
-            src = _sources(invs, job, s, m, ranks, costs)
+            routes: dict[int, ReplicaRoute] | None = {} if replicas else None
+            src = _sources(invs, job, s, m, ranks, costs, routes)
             if src is not None:
                 est = {} if costs is None else \
                     {r: costs.estimate(where[0], m.shard(r).size) for r, where in src.items()}
-                return RestorePlan(job, s, m, mt, src, est, load_layouts(invs, job, m, src))
-    done = complete_steps(invs, job, ranks)
+                routes = routes or {}
+                return RestorePlan(job, s, m, mt, src, est,
+                                   load_layouts(invs, job, m, {**src, **{r: [] for r in routes}}), routes)
+    done = complete_steps(invs, job, ranks, replicas)
     if step is None:
         raise StepNotFoundError(f"job {job!r} has no complete step in any tier (a save may have been cut short)")
     raise StepNotFoundError(

@@ -66,7 +66,7 @@ def _held(tier: Tier, m: Manifest) -> tuple[list[int], list[int]]:
     # the step's objects here, listed: a node holds a few ranks of a step, and a stat per rank of the world
     # at every commit costs O(world) (16,384 stats at 16,384 ranks)
     here = {info.rank for info in map(keys.parse_key, tier.list(keys.step_prefix(m.job, m.step)))
-            if info is not None and not info.is_manifest}
+            if info is not None and not info.is_manifest and not info.head}
     for rank in sorted(r for r in here if r < m.world):
         s = m.shards[rank]
         try:

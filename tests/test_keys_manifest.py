@@ -78,6 +78,15 @@ def test_parse_key_inverts_shard_key(job, step, rank):
     assert info == KeyInfo(job, step, rank) and not info.is_manifest
 
 
+@given(jobs, steps, ranks)
+def test_parse_key_inverts_head_key_and_tells_it_from_the_shard(job, step, rank):
+    from tiers.keys import head_key
+
+    info = parse_key(head_key(job, step, rank))
+    assert info == KeyInfo(job, step, rank, head=True) and not info.is_manifest
+    assert parse_key(shard_key(job, step, rank)).head is False
+
+
 @given(jobs, steps)
 def test_parse_key_inverts_manifest_key(job, step):
     info = parse_key(manifest_key(job, step))
@@ -91,6 +100,7 @@ JUNK_KEYS = [
     "./step-1/manifest.json", "a/b/step-1/manifest.json", "job/step-1\n/manifest.json", "job\n/step-1/manifest.json",
     "job/step-1/rank-0.shard\n", "job/step-1/manifest.json\n", "job/step-１/manifest.json", "job/step-1/rank-0",
     "job/step-10000000000000000000/manifest.json", "job/step-1/rank-10000000000.shard", "/job/step-1/manifest.json",
+    "job/step-1/rank-1.heads", "job/step-1/rank-01.head", "job/step-1/rank-1.head.tmp", "job/step-1/head",
 ]
 
 
@@ -299,4 +309,41 @@ def test_a_damaged_durable_part_is_refused_with_the_field_named(bad):
     obj["shards"][0]["durable"] = bad
     sealed, _ = _sealed.seal(_sealed.dumps(obj))  # sealed again: the parser, not the checksum, must refuse it
     with pytest.raises(ManifestError, match="durable"):
+        Manifest.from_bytes(sealed)
+
+
+def _with_unique() -> Manifest:
+    shards = (ShardInfo(0, 4096, checksum_bytes(b"a"), (), 0, "0" * 32, (1024, checksum_bytes(b"b"), "1" * 32),
+                        (512, checksum_bytes(b"u"), ((0, 1),))),
+              ShardInfo(1, 4096, checksum_bytes(b"c"), (), 1, "2" * 32, None, (0, checksum_bytes(b""), ((0, 1),))))
+    return Manifest("j", 3, 2, shards)
+
+
+def test_a_unique_part_round_trips_and_stays_in_the_shared_tiers_view():
+    from tiers.manifest import durable_view
+
+    back = Manifest.from_bytes(_with_unique().to_bytes(), job="j", step=3)
+    assert back.shards[0].unique == (512, checksum_bytes(b"u"), ((0, 1),))
+    assert back.shards[1].unique == (0, checksum_bytes(b""), ((0, 1),))
+    assert back.shards == _with_unique().shards
+    # the durable part starts with the unique part: the shared tier's shard keeps it
+    assert durable_view(back).shards[0].unique == back.shards[0].unique
+    assert Manifest.from_bytes(durable_view(back).to_bytes()).shards == durable_view(back).shards
+
+
+@pytest.mark.parametrize("bad", [
+    [4097, checksum_bytes(b"u"), [[0, 1]]],  # past the shard
+    [2048, checksum_bytes(b"u"), [[0, 1]]],  # past the durable part
+    [-1, checksum_bytes(b"u"), [[0, 1]]], [True, checksum_bytes(b"u"), [[0, 1]]], [512, "crc:00", [[0, 1]]],
+    [512, checksum_bytes(b"u"), []], [512, checksum_bytes(b"u"), [[0]]],  # no group, a group of one
+    [512, checksum_bytes(b"u"), [[1, 2]]],  # without this rank, and a rank outside the world
+    [512, checksum_bytes(b"u"), [[0, 0]]], [512, checksum_bytes(b"u"), [[0, True]]],
+    [512, checksum_bytes(b"u"), [[0, 1.0]]], [512, checksum_bytes(b"u")], "512"])
+def test_a_damaged_unique_part_is_refused_with_the_field_named(bad):
+    from tiers import _sealed
+
+    obj = _with_unique().to_json()
+    obj["shards"][0]["unique"] = bad
+    sealed, _ = _sealed.seal(_sealed.dumps(obj))  # sealed again: the parser, not the checksum, must refuse it
+    with pytest.raises(ManifestError, match="unique"):
         Manifest.from_bytes(sealed)

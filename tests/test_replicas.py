@@ -226,3 +226,66 @@ def test_hsdp_on_two_nodes_writes_each_chunk_once_to_s3_and_restores_from_it_bit
     for name, t in before[0].items():
         if name.startswith("param/"):
             assert torch.equal(exported["model"][name[len("param/"):]], t), name
+
+
+# ---------------------------------------------------------------- the job's own replicas as memory redundancy
+def test_hsdp_node_lost_restores_from_its_replicas_memory_and_peers_hold_only_unique_parts(tmp_path, s3_bucket):
+    """HSDP 2 x 2 on two nodes, two copies asked for in memory (the default): the data-parallel replica on the
+    other node already is the second copy of every DTensor chunk, so a peer receives only each shard's unique
+    part (the optimizer's step counts, the rank's values). Node 0 then loses its agent (kill -9), memory and
+    disk: its ranks restore from node 1's memory (their heads and their replicas' shards), bit-exact, with
+    their own values, reading no disk and no S3 although both hold the step."""
+    from procs import kill9, start_agent, write_secret
+
+    endpoint, bucket = s3_bucket
+    peers = tmp_path / "peers.txt"
+    ports = [free_port(), free_port()]
+    peers.write_text("".join(f"127.0.0.1:{p}\n" for p in ports))
+    secret = write_secret(str(tmp_path / "secret"))
+    shms = [str(tmp_path / f"node{n}" / "shm") for n in (0, 1)]
+    disks = [str(tmp_path / f"node{n}" / "disk") for n in (0, 1)]
+
+    def agent(n: int):
+        os.makedirs(os.path.dirname(shms[n]), exist_ok=True)
+        return start_agent(shms[n], "--node-rank", str(n), "--peers", str(peers), "--secret-file", secret,
+                           "--disk", disks[n], "--disk-every", "1", "--s3", f"s3://{bucket}/ckpt",
+                           "--s3-endpoint", endpoint, "--s3-every", "1")
+
+    procs = [agent(0), agent(1)]
+    saved = str(tmp_path / "saved")
+    try:
+        _run_nodes(shms, saved, "--steps", "3")
+        from tiers.keys import manifest_key
+        from tiers.manifest import Manifest
+
+        m = Manifest.from_bytes(open(os.path.join(shms[1], *manifest_key("dedup", 2).split("/")), "rb").read())
+        for r in range(4):
+            u = m.shard(r).unique
+            assert u is not None and u[0] < 0.2 * m.shard(r).size, (r, u, m.shard(r).size)
+            assert u[2] == (((r % 2, r % 2 + 2)),), u  # the replica group across the nodes
+        # each node holds the other's ranks' unique parts only (every step after the first, whose commit
+        # told the agents where the ranks are)
+        for n, other in ((0, (2, 3)), (1, (0, 1))):
+            for step in (1, 2):
+                folder = os.path.join(shms[n], "dedup", f"step-{step}")
+                held = sorted(os.listdir(folder))
+                for r in other:
+                    assert f"rank-{r}.head" in held and f"rank-{r}.shard" not in held, (n, step, held)
+                    assert os.path.getsize(os.path.join(folder, f"rank-{r}.head")) == m.shard(r).unique[0]
+
+        # node 0 is lost with its memory and disk; a new agent takes its place, empty
+        kill9(procs[0])
+        shutil.rmtree(os.path.dirname(shms[0]))
+        procs[0] = agent(0)
+        again = str(tmp_path / "again")
+        _run_nodes(shms, again, "--restore-only")
+    finally:
+        for p in procs:
+            kill9(p)
+    before, after = _dumps(saved, range(4)), _dumps(again, range(4))
+    for r in range(4):
+        row = json.loads(open(f"{again}.{r}").read())
+        assert row["restored"] == 2, row
+        assert set(row["tiers"]) == ({"replicas"} if r < 2 else {"memory"}), row
+        assert row["progress"] == [r, f"rank-{r}"], row  # its own values, from its head
+        _same(before[r], after[r])

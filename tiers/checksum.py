@@ -11,7 +11,7 @@ import os
 
 import xxhash
 
-__all__ = ["ALGO", "checksum_bytes", "checksum_file", "checksum_file_and_head", "Hasher"]
+__all__ = ["ALGO", "checksum_bytes", "checksum_file", "checksum_file_and_head", "checksum_file_and_heads", "Hasher"]
 
 ALGO = "xxh3_64"
 _CHUNK = 64 * 1024 * 1024
@@ -51,21 +51,30 @@ def checksum_file(path: str | os.PathLike, size: int | None = None) -> str:
 
 def checksum_file_and_head(path: str | os.PathLike, size: int, head: int) -> tuple[str, str]:
     """(checksum of a file's first ``size`` bytes, checksum of its first ``head`` bytes), in one pass."""
-    if not 0 <= head <= size:
-        raise ValueError(f"head {head} outside 0..{size}")
+    whole, (first,) = checksum_file_and_heads(path, size, [head])
+    return whole, first
+
+
+def checksum_file_and_heads(path: str | os.PathLike, size: int, heads: list[int]) -> tuple[str, list[str]]:
+    """(checksum of a file's first ``size`` bytes, [checksum of its first ``h`` bytes for each ``h`` of
+    ``heads``]), in one pass over the file."""
+    if any(not 0 <= h <= size for h in heads):
+        raise ValueError(f"heads {heads} outside 0..{size}")
     with open(path, "rb") as f:
         if size == 0:
             e = checksum_bytes(b"")
-            return e, e
+            return e, [e for _ in heads]
         with mmap.mmap(f.fileno(), size, prot=mmap.PROT_READ) as mm:
             mv = memoryview(mm)
             try:
                 h = xxhash.xxh3_64()
-                for i in range(0, head, _CHUNK):
-                    h.update(mv[i: min(i + _CHUNK, head)])
-                first = f"{ALGO}:{h.copy().hexdigest()}"
-                for i in range(head, size, _CHUNK):
-                    h.update(mv[i: min(i + _CHUNK, size)])
-                return f"{ALGO}:{h.hexdigest()}", first
+                at: dict[int, str] = {}
+                pos = 0
+                for stop in sorted(set(heads)) + [size]:
+                    for i in range(pos, stop, _CHUNK):
+                        h.update(mv[i: min(i + _CHUNK, stop)])
+                    pos = stop
+                    at[stop] = f"{ALGO}:{h.copy().hexdigest()}"
+                return at[size], [at[x] for x in heads]
             finally:
                 mv.release()

@@ -3,6 +3,9 @@
 Layout, identical in every tier (memory folder, disk folder, S3 prefix, peer)::
 
     <job>/step-<N>/rank-<R>.shard     the bytes one rank saved at step N
+    <job>/step-<N>/rank-<R>.head      a peer's copy of that shard's first bytes only: what no other
+                                      rank holds (``ShardInfo.unique``), when the job's own replicas
+                                      hold the rest on enough nodes
     <job>/step-<N>/manifest.json      the step's index; written last (commit point)
     <job>/layouts/<digest>.layout     one rank's chunk list (Parquet), stored once and
                                       shared by every step (and rank) that saved it
@@ -31,6 +34,7 @@ __all__ = [
     "job_prefix",
     "step_prefix",
     "shard_key",
+    "head_key",
     "manifest_key",
     "parse_key",
     "layout_key",
@@ -50,7 +54,7 @@ INDEX_NAME = "index.json"
 MAX_STEP = 10**18 - 1
 MAX_RANK = 10**9 - 1
 _STEP_DIR_RE = re.compile(r"^step-(0|[1-9][0-9]{0,17})\Z")
-_SHARD_RE = re.compile(r"^rank-(0|[1-9][0-9]{0,8})\.shard\Z")
+_SHARD_RE = re.compile(r"^rank-(0|[1-9][0-9]{0,8})\.(shard|head)\Z")
 LAYOUTS_DIR = "layouts"
 _DIGEST_RE = re.compile(r"^[0-9a-f]{32}\Z")
 #: matches a layout digest (what :func:`check_digest` accepts)
@@ -95,6 +99,11 @@ def step_prefix(job: str, step: int) -> str:
 def shard_key(job: str, step: int, rank: int) -> str:
     """Key of the shard that ``rank`` saved at ``step``."""
     return f"{step_prefix(job, step)}rank-{check_rank(rank)}.shard"
+
+
+def head_key(job: str, step: int, rank: int) -> str:
+    """A copy of the first ``ShardInfo.unique`` bytes of ``rank``'s shard (see the module docstring)."""
+    return f"{step_prefix(job, step)}rank-{check_rank(rank)}.head"
 
 
 def manifest_key(job: str, step: int) -> str:
@@ -146,11 +155,12 @@ def parse_index_key(key: str) -> str | None:
 
 @dataclass(frozen=True)
 class KeyInfo:
-    """What a key names: a shard (``rank`` set) or a manifest (``rank`` None)."""
+    """What a key names: a shard (``rank`` set), the head of one (``head`` too) or a manifest (``rank`` None)."""
 
     job: str
     step: int
     rank: int | None
+    head: bool = False
 
     @property
     def is_manifest(self) -> bool:
@@ -174,4 +184,4 @@ def parse_key(key: str) -> KeyInfo | None:
     m = _SHARD_RE.match(name)
     if not m:
         return None
-    return KeyInfo(job, step, int(m.group(1)))
+    return KeyInfo(job, step, int(m.group(1)), m.group(2) == "head")

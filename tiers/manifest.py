@@ -301,6 +301,11 @@ class ShardInfo:
     #: holding identical copies (:mod:`ckpt._replicas`): ``(bytes, their checksum, the digest of the layout of
     #: the chunks in them)``; None when the rank writes its whole shard there (it holds no other rank's copy)
     durable: tuple[int, str, str] | None = None
+    #: the shard's first bytes that hold what no other rank holds a copy of (its own chunks and its values);
+    #: every chunk after them is held, byte for byte, by the other ranks of one of ``groups`` (the data-parallel
+    #: replicas of a DTensor, :mod:`ckpt._replicas`): ``(bytes, their checksum, groups)``, each group the
+    #: global ranks holding a set of those chunks, this rank among them. None when no chunk is held elsewhere
+    unique: tuple[int, str, tuple[tuple[int, ...], ...]] | None = None
 
     def to_json(self) -> dict:
         if not self.layout:
@@ -313,6 +318,8 @@ class ShardInfo:
             out["values"] = values
         if self.durable is not None:
             out["durable"] = list(self.durable)
+        if self.unique is not None:
+            out["unique"] = [self.unique[0], self.unique[1], [list(g) for g in self.unique[2]]]
         return out
 
 
@@ -447,7 +454,8 @@ class Manifest:
             if isinstance(node, bool) or not isinstance(node, int) or not 0 <= node < MAX_NODES:
                 raise ManifestError(f"malformed manifest: {where}.node must be an int >= 0")
             durable = _durable(s.get("durable"), size, where) if version >= 2 else None
-            shards.append(ShardInfo(rank, size, checksum, tuple(entries), node, layout, durable))
+            unique = _unique(s.get("unique"), rank, world, size, durable, where) if version >= 2 else None
+            shards.append(ShardInfo(rank, size, checksum, tuple(entries), node, layout, durable, unique))
         metadata = obj.get("metadata", {})
         if not isinstance(metadata, dict):
             raise ManifestError("malformed manifest: metadata must be an object")
@@ -520,7 +528,7 @@ def _v2_row(s: Any, r: int) -> ShardInfo | None:
     manifest of 16,384 ranks is parsed at every node once per step)."""
     if type(s) is not dict:
         return None
-    if "durable" in s:
+    if "durable" in s or "unique" in s:
         return None  # checked field by field below
     rank, size, checksum, layout = s.get("rank"), s.get("size"), s.get("checksum"), s.get("layout")
     node = s.get("node", 0)
@@ -560,6 +568,31 @@ def _durable(v: Any, size: int, where: str) -> tuple[int, str, str] | None:
     return n, checksum, layout
 
 
+def _unique(v: Any, rank: int, world: int, size: int, durable: tuple | None, where: str
+            ) -> tuple[int, str, tuple[tuple[int, ...], ...]] | None:
+    """A version-2 shard row's ``unique``: ``[bytes up to the shard's size (and within its durable part),
+    checksum, [[global rank, ...], ...]]``, each group two or more distinct ranks of the world, this one among
+    them."""
+    if v is None:
+        return None
+    if not (isinstance(v, list) and len(v) == 3 and type(v[0]) is int and isinstance(v[1], str)
+            and isinstance(v[2], list) and v[2]):
+        raise ManifestError(f"malformed manifest: {where}.unique must be [bytes, checksum, [[rank, ...], ...]]")
+    n, checksum, groups = v
+    if not 0 <= n <= size or (durable is not None and n > durable[0]):
+        raise ManifestError(f"malformed manifest: {where}.unique holds {n} of the shard's {size} bytes: damaged")
+    if not _CHECKSUM_RE.match(checksum):
+        raise ManifestError(f"malformed manifest: {where}.unique checksum {checksum[:40]!r} is not xxh3_64:<16 hex>")
+    out = []
+    for g in groups:
+        if not (isinstance(g, list) and len(g) >= 2 and all(type(r) is int and 0 <= r < world for r in g)
+                and len(set(g)) == len(g) and rank in g):
+            raise ManifestError(f"malformed manifest: {where}.unique: a group must be 2 or more distinct ranks of "
+                                f"the world, this rank among them; got {str(g)[:80]}")
+        out.append(tuple(g))
+    return n, checksum, tuple(out)
+
+
 def durable_view(m: Manifest) -> Manifest:
     """The manifest of ``m``'s step as the shared tier (S3) holds it when ranks hold copies of each other's
     chunks: each such rank's shard is its ``durable`` part (the chunks it writes for all the ranks holding
@@ -574,7 +607,7 @@ def durable_view(m: Manifest) -> Manifest:
     if not m.checksum:
         m.to_bytes()  # sets it
     shards = tuple(s if s.durable is None else
-                   ShardInfo(s.rank, s.durable[0], s.durable[1], s.entries, s.node, s.durable[2])
+                   ShardInfo(s.rank, s.durable[0], s.durable[1], s.entries, s.node, s.durable[2], None, s.unique)
                    for s in m.shards)
     return Manifest(m.job, m.step, m.world, shards, {**m.metadata, "durable_of": m.checksum}, m.created,
                     m.library, m.version)
