@@ -11,8 +11,9 @@ hold the same shard, and the distinct nodes they run on are the piece's
 *model holders*. Every model holder stages its own copy in its node's memory,
 so those nodes already hold the piece, with no network traffic.
 
-The peer-copy policy the agents follow, with ``k`` (``replicas``) the copies
-wanted of each piece on distinct nodes, the model holders' own included:
+The peer-copy policy the agents follow (:func:`shard_copies`, which the
+agents call for every shard), with ``k`` (``replicas``) the copies wanted of
+each piece on distinct nodes, the model holders' own included:
 
 1. A piece whose model holders already number at least ``k`` distinct nodes
    gets no peer copy.
@@ -24,6 +25,11 @@ wanted of each piece on distinct nodes, the model holders' own included:
    on ``k`` distinct nodes.
 3. When the targets run out first (only when ``k`` exceeds the node count)
    the piece stays short; :attr:`PieceCopies.short_by` says by how many.
+4. What a rank holds that no other rank does (its *unique part*: a plain
+   tensor such as an optimizer's step count, its values) is no piece: every
+   rank's goes to its node's ``k - 1`` placement targets, inside the whole
+   shard or alone (``ShardInfo.unique``, a few kB), so it is held on the
+   node's usual placement nodes (:attr:`CopyPlan.unique_holders`).
 
 Every agent computes this alone from the mesh, ``G``, the peer list, ``k``
 and the placement: every function here is pure (no I/O, no clock, no global
@@ -31,10 +37,12 @@ state). Today's behaviour, against which :class:`CopyPlan` compares, copies
 every rank's shard to the node's ``k - 1`` placement targets regardless.
 
 Survival: a memory restore loses a piece when every node holding it (model
-holders and peer-copy targets) fails. So a failure set loses something
-exactly when it contains some piece's holder set, and the smallest losing set
-is the smallest holder set: every ``F`` simultaneous failures are survived iff
-``F`` is below the fewest holders any piece has (:func:`max_failures_survived`).
+holders and peer-copy targets) fails, and loses a rank's unique part when
+every node of its node's placement fails. So a failure set loses something
+exactly when it contains one of these holder sets, and the smallest losing
+set is the smallest holder set: every ``F`` simultaneous failures are
+survived iff ``F`` is below the fewest holders any of them has
+(:func:`max_failures_survived`).
 :func:`piece_survival_probability` gives the odds for ``F`` uniformly random
 failures, exactly where it can and by a seeded Monte Carlo estimate where not.
 """
@@ -58,6 +66,8 @@ __all__ = [
     "PieceCopies",
     "max_failures_survived",
     "parse_mesh",
+    "shard_copies",
+    "weakest",
     "piece_label",
     "piece_losing_failure",
     "piece_survival_probability",
@@ -236,6 +246,14 @@ class CopyPlan:
     pieces: tuple[PieceCopies, ...]
     sends: Mapping[int, int]
     baseline_sends: Mapping[int, int]
+    #: per node, the nodes holding its ranks' unique parts: the node and its placement targets (rule 4)
+    unique_holders: Mapping[int, frozenset[int]] = field(default_factory=dict)
+
+    def holder_sets(self) -> list[tuple[str, frozenset[int]]]:
+        """What a memory restore needs, each with the nodes holding it: every piece, then every node's ranks'
+        unique parts (``(label, nodes)``)."""
+        return ([(f"piece {piece_label(pc.piece)}", pc.holders) for pc in self.pieces]
+                + [(f"the unique parts of node {n}'s ranks", h) for n, h in self.unique_holders.items()])
 
     @property
     def peer_copies(self) -> int:
@@ -306,7 +324,41 @@ def plan_copies(mesh: Mesh, nodes: NodesOrCount, replicas: int, placement: str =
         source = next(r for r in ranks if mesh.node_of(r) == model[0]) if targets else None
         out.append(PieceCopies(piece, ranks, model, source, tuple(targets), max(0, want - len(targets))))
     per_node_today = mesh.ranks_per_node * (len(layout[0]) - 1)
-    return CopyPlan(mesh, replicas, placement, n, tuple(out), sends, dict.fromkeys(range(n), per_node_today))
+    return CopyPlan(mesh, replicas, placement, n, tuple(out), sends, dict.fromkeys(range(n), per_node_today),
+                    {r: frozenset(layout[r]) for r in range(n)})
+
+
+def shard_copies(rank: int, groups: Sequence[Sequence[int]], node_of: Mapping[int, int], targets: Sequence[int],
+                 replicas: int) -> dict[int, bool]:
+    """What the node of ``rank`` sends each of its placement ``targets`` (in placement order) of the rank's
+    shard: True for the whole shard, False for its unique part alone (the policy in the module docstring).
+
+    ``groups``: the holder groups of the shard's replicated chunks (``ShardInfo.unique``: global ranks, this
+    one among them), empty when it has none; ``node_of``: rank → node, for every rank of the groups (a rank
+    missing makes every copy whole); ``replicas``: the copies wanted on distinct nodes.
+
+    * every group on ``replicas`` distinct nodes or more: the unique part to every target;
+    * one group on fewer: its lead rank (the lowest of the group on the group's lowest node) sends the whole
+      shard to the first targets that hold no replica, as many as are missing, and the unique part to the
+      others; every other rank of the group sends the unique part;
+    * several groups, one on fewer nodes: the whole shard to every target (as with no groups).
+    """
+    whole = dict.fromkeys(targets, True)
+    if not groups or any(r not in node_of for g in groups for r in g):
+        return whole
+    spans = [{node_of[r] for r in g} for g in groups]
+    if all(len(nodes) >= replicas for nodes in spans):
+        return dict.fromkeys(targets, False)
+    if len(groups) > 1:
+        return whole
+    nodes = spans[0]
+    lead_node = min(nodes)
+    lead = min(r for r in groups[0] if node_of[r] == lead_node)
+    out = dict.fromkeys(targets, False)
+    if rank == lead:
+        for t in [t for t in targets if t not in nodes][:replicas - len(nodes)]:
+            out[t] = True
+    return out
 
 
 # -- survival ------------------------------------------------------------------------------
@@ -317,7 +369,8 @@ def _check_failures(plan: CopyPlan, failures: int) -> None:
 
 
 def pieces_survive(plan: CopyPlan, failed: Iterable[int]) -> bool:
-    """True iff every piece still has a node holding it after the nodes ``failed`` (node ranks) fail.
+    """True iff every piece and unique part still has a node holding it after the nodes ``failed`` (node
+    ranks) fail.
 
     Raises ``ValueError`` for a failed rank that is not a node.
     """
@@ -325,12 +378,13 @@ def pieces_survive(plan: CopyPlan, failed: Iterable[int]) -> bool:
     unknown = sorted(r for r in failed if not 0 <= r < plan.nodes)
     if unknown:
         raise ValueError(f"failed ranks {unknown} are not nodes (ranks 0..{plan.nodes - 1})")
-    return not any(pc.holders <= failed for pc in plan.pieces)
+    return not any(h <= failed for _, h in plan.holder_sets())
 
 
-def _weakest(plan: CopyPlan) -> PieceCopies:
-    """The piece with the fewest holders (the first such in piece order)."""
-    return min(plan.pieces, key=lambda pc: len(pc.holders))
+def weakest(plan: CopyPlan) -> tuple[str, frozenset[int]]:
+    """What has the fewest holders, and its holders: the first such piece in piece order, else the first
+    node's unique parts."""
+    return min(plan.holder_sets(), key=lambda x: len(x[1]))
 
 
 def max_failures_survived(plan: CopyPlan) -> int:
@@ -341,7 +395,7 @@ def max_failures_survived(plan: CopyPlan) -> int:
     answer is the fewest holders any piece has, minus one (0 when some piece
     is on one node only).
     """
-    return len(_weakest(plan).holders) - 1
+    return len(weakest(plan)[1]) - 1
 
 
 def piece_losing_failure(plan: CopyPlan, failures: int) -> set[int] | None:
@@ -352,7 +406,7 @@ def piece_losing_failure(plan: CopyPlan, failures: int) -> set[int] | None:
     for ``failures`` outside ``0..N``.
     """
     _check_failures(plan, failures)
-    core = _weakest(plan).holders
+    core = weakest(plan)[1]
     if len(core) > failures:
         return None
     out = set(core)
@@ -366,7 +420,7 @@ def _minimal_sets(plan: CopyPlan) -> list[int]:
     A failure set that contains a larger holder set also contains the smaller
     one, so only the minimal sets decide what is lost.
     """
-    masks = sorted({sum(1 << r for r in pc.holders) for pc in plan.pieces}, key=lambda m: m.bit_count())
+    masks = sorted({sum(1 << r for r in h) for _, h in plan.holder_sets()}, key=lambda m: m.bit_count())
     out: list[int] = []
     for m in masks:
         if not any(o & m == o for o in out):

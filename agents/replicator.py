@@ -60,6 +60,7 @@ from .config import Settings
 from .dissemination import Disseminator, View, tree_children, tree_parent
 from .drain import ByteBudget
 from .layouts import LayoutBook
+from .mesh_placement import shard_copies
 from .replication import DEFLATED_JSON, LinkPool, Membership, PeerLink, load_peer_list
 from .stepbook import Pending, StepBook
 from .tierset import peer_tier_map
@@ -221,30 +222,33 @@ class Replicator:
     async def share(self, job: str, step: int, rank: int, world: int, nbytes: int, pend: Pending) -> None:
         """Tell every live peer about a local shard (for its manifest), and copy it to its placement targets:
         the whole shard, or only its unique part where the job's own replicas hold the rest on enough nodes
-        (:meth:`replicas_cover`)."""
+        (:meth:`whole_copies`)."""
         shard = keys.shard_key(job, step, rank)
         path = self.memory.path(shard)
         digest = pend.layouts[rank]
         head = pend.uniques.get(rank)
         decided: asyncio.Future | None = None
 
-        async def what() -> tuple[str, int, "str | asyncio.Future"]:
-            """The key to copy, its bytes and checksum: the shard, or its unique part where the job's own
-            replicas hold the rest on enough nodes (:meth:`replicas_cover`)."""
-            if head is not None:
-                if self.book.node_maps.get(job, (None,))[0] != world:
-                    # the job's first step here: where its ranks are is known once the step is committed
-                    with contextlib.suppress(asyncio.TimeoutError):
-                        await asyncio.wait_for(self.book.wait_committed(job, step), self.settings.peer_timeout)
-                if self.replicas_cover(job, world, head[1]):
-                    return keys.head_key(job, step, rank), head[0], head[2]
-            return shard, nbytes, pend.checksums[rank]
+        async def what() -> dict[int, bool]:
+            """Per placement target, whether it gets the whole shard or only its unique part (where the job's
+            own replicas hold the rest on enough nodes: :meth:`whole_copies`)."""
+            targets = self.members.targets(self.me)
+            if head is None:
+                return dict.fromkeys(targets, True)
+            if self.book.node_maps.get(job, (None,))[0] != world:
+                # the job's first step here: where its ranks are is known once the step is committed
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(self.book.wait_committed(job, step), self.settings.peer_timeout)
+            return self.whole_copies(job, world, rank, head[1], targets)
 
         async def copy(r: int) -> bool:
             nonlocal decided
             if decided is None:
                 decided = asyncio.ensure_future(what())
-            key, size, checksum = await asyncio.shield(decided)
+            if not (await asyncio.shield(decided)).get(r, True):
+                key, size, checksum = keys.head_key(job, step, rank), head[0], head[2]
+            else:
+                key, size, checksum = shard, nbytes, pend.checksums[rank]
             if not await self._push_layout(r, job, digest):
                 return False
             return await self._push(r, key, path, size, checksum)
@@ -279,25 +283,19 @@ class Replicator:
         self.dis.submit([record])
         await asyncio.gather(*copies)
 
-    def replicas_cover(self, job: str, world: int, groups: tuple[tuple[int, ...], ...],
-                       nodes: dict[int, int] | None = None) -> bool:
-        """Whether every holder group of a shard's replicated chunks spans ``replicas`` live nodes of this job,
-        by ``nodes`` (rank → node) or else by where its ranks saved the newest step committed here
-        (:attr:`StepBook.node_maps`): then the job's
-        own replicas keep as many copies of those chunks in memory as placement would, on distinct nodes, and
-        a peer needs only the shard's unique part. False while the ranks' nodes are not known (the job's
-        first step): the whole shard is copied, as for any other."""
+    def whole_copies(self, job: str, world: int, rank: int, groups: tuple[tuple[int, ...], ...],
+                     targets: list[int], nodes: dict[int, int] | None = None) -> dict[int, bool]:
+        """Per target, whether ``rank``'s shard goes there whole (True) or only its unique part
+        (:func:`agents.mesh_placement.shard_copies`), with the ranks placed by ``nodes`` (rank → node) or else by
+        where they saved the job's newest step committed here (:attr:`StepBook.node_maps`). Ranks on nodes not
+        alive now count as unknown, and every copy of a shard is whole while one of its holders' nodes is
+        unknown (the job's first step, a replica's node down)."""
         if nodes is None:
             known = self.book.node_maps.get(job)
-            if known is None or known[0] != world:
-                return False
-            nodes = known[1]
+            nodes = known[1] if known is not None and known[0] == world else {}
         alive = self.members.alive()
-        for g in groups:
-            where = {nodes.get(h) for h in g}
-            if None in where or not where <= alive or len(where) < min(self.settings.replicas, len(alive)):
-                return False
-        return True
+        live = {r: n for r, n in nodes.items() if n in alive}
+        return shard_copies(rank, groups, live, targets, self.settings.replicas)
 
     async def _push(self, r: int, key: str, src: str | bytes, nbytes: int,
                     checksum: "str | asyncio.Future | None" = None) -> bool:
@@ -697,6 +695,7 @@ class Replicator:
             for step, st in sorted(steps.items()):
                 if st.manifest is None or (job, step) in self.book.pending:
                     continue
+                nodes: dict[int, int] | None = None  # rank -> node, by this step's manifest (made once)
                 mkey = keys.manifest_key(job, step)
                 for sh in st.manifest.shards:
                     key = keys.shard_key(job, step, sh.rank)
@@ -708,10 +707,13 @@ class Replicator:
                     if not have or have[0] != self.me:
                         continue
                     # where the job's own replicas hold the rest, a partner needs only the unique part
-                    head = sh.unique is not None and self.replicas_cover(
-                        job, st.manifest.world, sh.unique[2], {s.rank: s.node for s in st.manifest.shards})
+                    targets = [r for r in want if r != sh.node]
+                    whole = dict.fromkeys(targets, True) if sh.unique is None else self.whole_copies(
+                        job, st.manifest.world, sh.rank, sh.unique[2], targets,
+                        nodes if nodes is not None else (nodes := {s.rank: s.node for s in st.manifest.shards}))
                     hkey = keys.head_key(job, step, sh.rank)
                     for r in want:
+                        head = not whole.get(r, True)
                         if r not in held or key in held[r] or (head and hkey in held[r]):
                             continue
                         if sh.layout and keys.layout_key(job, sh.layout) not in held[r]:

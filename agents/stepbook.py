@@ -192,7 +192,7 @@ class StepBook:
         self.manifests = ManifestCache()
         self._locks: dict[str, asyncio.Lock] = {}
         #: per job whose ranks hold copies of each other's chunks: (world, rank → node) of the newest step
-        #: committed here, for the replication policy (``Replicator.replicas_cover``)
+        #: committed here, for the replication policy (``Replicator.whole_copies``)
         self.node_maps: dict[str, tuple[int, dict[int, int]]] = {}
         #: steps someone waits to see committed here (or dropped): :meth:`wait_committed`
         self._commit_waits: dict[tuple[str, int], asyncio.Event] = {}

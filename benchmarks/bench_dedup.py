@@ -12,8 +12,10 @@ last step it measures, from the objects each place holds:
 * S3: the shard objects in the bucket (each rank's durable part) -- and what S3 held before each chunk was
   written once, which is every rank's whole shard, the memory figure of the same run;
 * disk: the shards on the nodes' own disks (whole, so a node restores from its disk alone);
-* peer: the shard copies each node's memory holds for the other node's ranks (the agents do not yet
-  count the model's replicas as copies: issue 14's part 3).
+* peer: the copies each node's memory holds for the other node's ranks: whole shards, or only a shard's
+  unique part (``rank-R.head``) where the job's own data-parallel replicas already keep the asked-for two
+  copies of every replicated chunk on distinct nodes -- against what it held before that rule, every
+  other node's whole shard (the memory figure of the same run, two nodes each copying to the other).
 
 Ratios are against unique. Scale: a model of ``--dim`` (about 100 * dim^2 bytes of parameters and AdamW
 state); the ratios do not depend on it beyond alignment and values.
@@ -42,12 +44,12 @@ from s3util import FAKE_AWS_ENV, free_port, start_moto_server, stop_moto_server 
 JOB = os.path.join(ROOT, "tests", "mesh_job.py")
 
 
-def _sizes(folder: str, job: str, step: int) -> dict[int, int]:
+def _sizes(folder: str, job: str, step: int, kind: str = ".shard") -> dict[int, int]:
     d = os.path.join(folder, job, f"step-{step}")
     out = {}
     for name in os.listdir(d) if os.path.isdir(d) else []:
-        if name.startswith("rank-") and name.endswith(".shard"):
-            out[int(name[5:-6])] = os.path.getsize(os.path.join(d, name))
+        if name.startswith("rank-") and name.endswith(kind):
+            out[int(name[5:-len(kind)])] = os.path.getsize(os.path.join(d, name))
     return out
 
 
@@ -91,7 +93,8 @@ def run(replicas: int, dim: int, steps: int, endpoint: str, root: str) -> dict:
     step = steps - 1
     mem = {n: _sizes(shms[n], "dedup", step) for n in (0, 1)}
     own = {r: mem[r // 2][r] for r in range(4)}
-    peer = sum(size for n in (0, 1) for r, size in mem[n].items() if r // 2 != n)
+    heads = {n: _sizes(shms[n], "dedup", step, ".head") for n in (0, 1)}
+    peer = sum(size for n in (0, 1) for part in (mem[n], heads[n]) for r, size in part.items() if r // 2 != n)
     disk = sum(sum(_sizes(d, "dedup", step).values()) for d in disks)
     c = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1")
     objs = c.list_objects_v2(Bucket=bucket, Prefix=f"ckpt/dedup/step-{step}/").get("Contents", [])
@@ -123,15 +126,18 @@ def main() -> int:
         stop_moto_server(proc)
 
     def x(n: int, base: int) -> str:
+        if n < 100e3:  # a few small unique parts: say how few
+            return f"{n / 1e3:.1f} kB ({n / base:.4f}x)"
         return f"{n / 1e6:.2f} MB ({n / base:.2f}x)"
 
     table = [[str(r["replicas"]), f"{r['unique'] / 1e6:.2f} MB", x(r["memory"], r["unique"]),
               x(r["s3_before"], r["unique"]), x(r["s3"], r["unique"]),
               f"{r['s3_nodes'][0] / 1e6:.2f} / {r['s3_nodes'][1] / 1e6:.2f}", x(r["disk"], r["unique"]),
-              x(r["peer"], r["unique"])] for r in results]
+              x(r["memory"], r["unique"]), x(r["peer"], r["unique"])] for r in results]
     print(f"HSDP, 4 ranks on 2 loopback nodes, dim {a.dim}, bytes of one step (step {a.steps - 1}) per place")
     print(markdown_table(["R", "unique", "memory (all ranks)", "S3 before (whole shards)", "S3 now",
-                          "S3 node 0 / node 1 MB", "disk (nodes' own)", "peer copies"], table))
+                          "S3 node 0 / node 1 MB", "disk (nodes' own)", "peer copies before",
+                          "peer copies now"], table))
     return 0
 
 

@@ -26,6 +26,7 @@ from agents.mesh_placement import (
     parse_mesh,
     piece_label,
     piece_losing_failure,
+    weakest,
     piece_survival_probability,
     plan_copies,
 )
@@ -277,6 +278,9 @@ def _cmd_mesh(a: argparse.Namespace) -> int:
     print(f"pieces: {len(plan.pieces)}; on {k}+ nodes by the model's replicas alone: {enough}; "
           f"with peer copies: {copied}; short of {k} nodes: {short}"
           + (f" (only {n} node{'s' * (n != 1)})" if short else ""))
+    print(f"each rank's unique part (what no other rank holds: plain tensors such as an optimizer's step count, "
+          f"its values; a few kB) goes to its node's {min(k - 1, n - 1)} placement "
+          f"target{'s' * (min(k - 1, n - 1) != 1)} as well, with the shard or alone")
     print()
     per_rank_today = plan.baseline_sends[0] // g
     print(f"peer copies per save: {plan.peer_copies} shard{'s' * (plan.peer_copies != 1)} "
@@ -287,13 +291,12 @@ def _cmd_mesh(a: argparse.Namespace) -> int:
     if example is None:
         print(f"memory restore survives every {f} simultaneous node failure{'s' * (f != 1)}: yes")
     else:
-        weakest = min(plan.pieces, key=lambda pc: len(pc.holders))
-        core = weakest.holders
+        what, core = weakest(plan)
         rest = f - len(core)
         others = f" and any {rest} other{'s' * (rest != 1)}" if rest else ""
         print(f"memory restore survives every {f} simultaneous node failure{'s' * (f != 1)}: no "
               f"(e.g. node{'s' * (len(core) != 1)} {_ranks(core)}{others} fail{'s' * (f == 1)}: "
-              f"no copy of piece {piece_label(weakest.piece)} is left)")
+              f"no copy of {what} is left)")
     best = max_failures_survived(plan)
     print(f"largest number of simultaneous node failures always survived: {best}")
     print(f"probability that every piece keeps a copy in memory after {f} random simultaneous "

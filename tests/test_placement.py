@@ -424,6 +424,12 @@ def _brute_mesh_holders(dims, replicate, per_node, nodes, k, how):
     return out
 
 
+def _brute_unique_sets(nodes, k, how):
+    """Every node's ranks' unique parts: on the node and its placement targets (rule 4)."""
+    node_list = _nodes([None] * nodes) if isinstance(nodes, int) else nodes
+    return [{n.rank, *replica_targets(node_list, n.rank, k, how)} for n in node_list]
+
+
 def _brute_mesh_alive(holder_sets, n, f):
     return sum(not any(h <= set(c) for h in holder_sets) for c in itertools.combinations(range(n), f))
 
@@ -443,7 +449,7 @@ def _check_plan_against_brute(dims, replicate, per_node, nodes, k, how):
         assert (pc.source_rank is None) == (not pc.targets)
         if pc.targets:
             assert pc.source_rank in pc.ranks and mesh.node_of(pc.source_rank) == pc.lead
-    holder_sets = [have for _, have in brute.values()]
+    holder_sets = [have for _, have in brute.values()] + _brute_unique_sets(nodes, k, how)
     always = max(f for f in range(n + 1) if _brute_mesh_alive(holder_sets, n, f) == math.comb(n, f))
     assert max_failures_survived(plan) == always
     for f in range(n + 1):
@@ -483,6 +489,49 @@ def test_mesh_copies_and_survival_equal_brute_force_over_every_failure_set(mesh,
     plan = _check_plan_against_brute(dims, replicate, per_node, nodes, k, how)
     event(f"nodes: {plan.nodes}")
     event(f"peer copies: {'none' if not plan.peer_copies else 'fewer' if plan.copy_fraction < 1 else 'as today'}")
+
+
+@settings(max_examples=300, deadline=None)
+@given(mesh=_meshes(), k=st.integers(1, 4), how=PLACEMENT)
+def test_what_each_agent_sends_adds_up_to_the_calculators_plan(mesh, k, how):
+    """The agents decide per shard (``shard_copies``, from the shard's holder groups and where the ranks are);
+    the calculator per piece (``plan_copies``). Over every rank of a mesh the two must agree: the same whole
+    copies from the same nodes to the same nodes, hence the same holders and the same survival figures."""
+    from agents.mesh_placement import shard_copies
+
+    dims, replicate, per_node, nodes = mesh
+    m = Mesh(dims, frozenset(replicate), per_node)
+    plan = plan_copies(m, nodes, k, how)
+    node_list = _nodes([None] * nodes) if isinstance(nodes, int) else nodes
+    node_of = {r: r // per_node for r in range(m.world)}
+    sends = dict.fromkeys(range(m.nodes), 0)
+    held = {pc.piece: set(pc.model_holders) for pc in plan.pieces}
+    for pc in plan.pieces:
+        groups = [list(pc.ranks)] if len(pc.ranks) > 1 else []  # a DTensor replicated along no dim has none
+        for r in pc.ranks:
+            targets = replica_targets(node_list, node_of[r], k, how)
+            got = shard_copies(r, groups, node_of, targets, k)
+            assert list(got) == targets  # every target gets the unique part at least
+            for t, whole in got.items():
+                if whole:
+                    sends[node_of[r]] += 1
+                    held[pc.piece].add(t)
+    assert sends == dict(plan.sends)
+    assert held == {pc.piece: set(pc.holders) for pc in plan.pieces}
+
+
+def test_a_shard_with_two_groups_one_short_is_copied_whole_and_unknown_ranks_too():
+    from agents.mesh_placement import shard_copies
+
+    node_of = {0: 0, 1: 0, 2: 1, 3: 1}
+    # a TP pair's norm (group on one node) beside an HSDP replica group across nodes: whole copies
+    assert shard_copies(0, [[0, 1], [0, 2]], node_of, [1], 2) == {1: True}
+    assert shard_copies(0, [[0, 2]], node_of, [1], 2) == {1: False}
+    assert shard_copies(0, [[0, 2]], {0: 0}, [1], 2) == {1: True}  # where rank 2 is, unknown
+    assert shard_copies(0, [], node_of, [1, 2], 3) == {1: True, 2: True}
+    # one group on one node, three copies wanted: the lead adds two, its group mate sends its unique part
+    assert shard_copies(0, [[0, 1]], node_of, [1, 2], 3) == {1: True, 2: True}
+    assert shard_copies(1, [[0, 1]], node_of, [1, 2], 3) == {1: False, 2: False}
 
 
 def test_hsdp_2x2_on_2_nodes_survives_one_failure_with_no_peer_copy():
@@ -641,7 +690,7 @@ def test_cli_mesh_figures_equal_brute_force(dims, replicate, per_node, n, k, f, 
     rc, out, err = _run(argv, capsys)
     assert rc == 0 and err == ""
     brute = _brute_mesh_holders(dims, replicate, per_node, nodes, k, how)
-    holder_sets = [have for _, have in brute.values()]
+    holder_sets = [have for _, have in brute.values()] + _brute_unique_sets(nodes, k, how)
     copies = sum(len(have - held) for held, have in brute.values())
     today = math.prod(s for _, s in dims) * min(k - 1, n - 1)
     alive = _brute_mesh_alive(holder_sets, n, f)
