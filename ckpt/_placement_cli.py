@@ -299,7 +299,7 @@ def _cmd_mesh(a: argparse.Namespace) -> int:
               f"no copy of {what} is left)")
     best = max_failures_survived(plan)
     print(f"largest number of simultaneous node failures always survived: {best}")
-    print(f"probability that every piece keeps a copy in memory after {f} random simultaneous "
+    print(f"probability that every piece and unique part keeps a copy in memory after {f} random simultaneous "
           f"node failure{'s' * (f != 1)}: {odds.probability:.6f} ({odds.method})")
     return 0
 

@@ -72,7 +72,7 @@ def build(mode: str, replicas: int = 0, dim: int = 16):
         from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel, SequenceParallel,
                                                        parallelize_module)
 
-        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        mesh = init_device_mesh("cpu", (dist.get_world_size() // 2, 2), mesh_dim_names=("dp", "tp"))
         for b in model.blocks:
             parallelize_module(b, mesh["tp"], {
                 "up": ColwiseParallel(input_layouts=Replicate()),

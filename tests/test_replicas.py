@@ -95,16 +95,17 @@ def test_fsdp_tp_replicated_norms_and_biases_are_named_for_their_tp_pair_only(tm
 
 
 # ---------------------------------------------------------------- the shared tier holds every chunk once
-def _torchrun(n: int, nnodes: int, port: int, shm: str, out: str, *args: str) -> subprocess.Popen:
+def _torchrun(n: int, nnodes: int, port: int, shm: str, out: str, *args: str, mode: str = "hsdp"
+              ) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nnodes), "--node-rank", str(n),
            "--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port", str(port), JOB,
-           "--mode", "hsdp", "--job", "dedup", "--shm", shm, "--no-spawn", "--out", out, *args]
+           "--mode", mode, "--job", "dedup", "--shm", shm, "--no-spawn", "--out", out, *args]
     return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env())
 
 
-def _run_nodes(shms: list[str], out: str, *args: str) -> None:
+def _run_nodes(shms: list[str], out: str, *args: str, mode: str = "hsdp") -> None:
     port = free_port()
-    jobs = [_torchrun(n, len(shms), port, shm, out, *args) for n, shm in enumerate(shms)]
+    jobs = [_torchrun(n, len(shms), port, shm, out, *args, mode=mode) for n, shm in enumerate(shms)]
     for j in jobs:
         _, err = j.communicate(timeout=600)
         assert j.returncode == 0, "\n".join(ln for ln in err.splitlines() if "Error" in ln)[-3000:] or err[-3000:]
@@ -289,3 +290,88 @@ def test_hsdp_node_lost_restores_from_its_replicas_memory_and_peers_hold_only_un
         assert set(row["tiers"]) == ({"replicas"} if r < 2 else {"memory"}), row
         assert row["progress"] == [r, f"rank-{r}"], row  # its own values, from its head
         _same(before[r], after[r])
+
+
+def test_fsdp_tp_writes_tp_replicated_tensors_once_to_s3_and_restores_resharded(tmp_path, s3_bucket):
+    """2-D FSDP + TP on 4 ranks over two nodes (a TP pair per node): the norms and the row-wise bias, whole on
+    both TP ranks, reach S3 once; every rank's S3 shard is its durable part. The TP pair shares a node, so its
+    replicas are no second copy in memory: the pair's lead rank sends its whole shard to the other node and its
+    partner only its unique part. Node 1 lost: rank 2 restores from its copy on node 0, rank 3 from its head and
+    rank 2's shard there. From S3 alone the job restores bit-exact at 4 ranks and resharded at 2 (dp 1 x tp 2)."""
+    from procs import kill9, start_agent, write_secret
+
+    endpoint, bucket = s3_bucket
+    peers = tmp_path / "peers.txt"
+    peers.write_text("".join(f"127.0.0.1:{free_port()}\n" for _ in range(2)))
+    secret = write_secret(str(tmp_path / "secret"))
+    shms = [str(tmp_path / f"node{n}" / "shm") for n in (0, 1)]
+
+    def agent(n: int, alone: bool = False):
+        os.makedirs(os.path.dirname(shms[n]), exist_ok=True)
+        return start_agent(shms[n], "--node-rank", str(n), *([] if alone else ["--peers", str(peers)]),
+                           "--secret-file", secret, "--s3", f"s3://{bucket}/ckpt", "--s3-endpoint", endpoint,
+                           "--s3-every", "1")
+
+    procs = [agent(0), agent(1)]
+    saved, lost = str(tmp_path / "saved"), str(tmp_path / "lost")
+    try:
+        _run_nodes(shms, saved, "--steps", "3", mode="fsdp_tp")
+        rows = [json.loads(open(f"{saved}.{r}").read()) for r in range(4)]
+        s3 = _s3_shards(endpoint, bucket, 2)
+        durable = {row["rank"]: row["durable"] if row["durable"] is not None else row["shard_size"] for row in rows}
+        assert s3 == durable, (s3, durable)
+        shared = [c for row in rows for c in row["chunks"] if len(c["holders"]) > 1]
+        assert shared and all(set(c["holders"]) in ({0, 1}, {2, 3}) for c in shared)
+        written = sum(c["nbytes"] for row in rows for c in row["chunks"] if c["owner"] == row["rank"])
+        held = sum(c["nbytes"] for row in rows for c in row["chunks"])
+        assert written < held
+        assert written <= sum(s3.values()) <= written + 8 * 4096  # alignment and values, per shard
+        for n, (lead, mate) in ((0, (2, 3)), (1, (0, 1))):
+            names = os.listdir(os.path.join(shms[n], "dedup", "step-2"))
+            assert f"rank-{lead}.shard" in names and f"rank-{mate}.head" in names, names
+            assert f"rank-{mate}.shard" not in names, names
+
+        kill9(procs[1])
+        shutil.rmtree(os.path.dirname(shms[1]))
+        procs[1] = agent(1)
+        _run_nodes(shms, lost, "--restore-only", mode="fsdp_tp")
+    finally:
+        for p in procs:
+            kill9(p)
+    before = _dumps(saved, range(4))
+    # rank 2's whole shard is on node 0: the new agent pulls it into its memory before the restore (warm
+    # restore) or the rank reads it from the peer; rank 3 has only its head there
+    expect = {0: [{"memory"}], 1: [{"memory"}], 2: [{"memory"}, {"peer"}], 3: [{"replicas"}]}
+    for r in range(4):
+        row = json.loads(open(f"{lost}.{r}").read())
+        assert row["restored"] == 2 and set(row["tiers"]) in expect[r], row
+        assert row["progress"] == [r, f"rank-{r}"], row
+        _same(before[r], _dumps(lost, [r])[r])
+
+    for n in (0, 1):
+        shutil.rmtree(os.path.dirname(shms[n]))
+    procs = [agent(0), agent(1)]
+    again = str(tmp_path / "again")
+    try:
+        _run_nodes(shms, again, "--restore-only", mode="fsdp_tp")
+    finally:
+        for p in procs:
+            kill9(p)
+    for r in range(4):
+        row = json.loads(open(f"{again}.{r}").read())
+        assert row["restored"] == 2 and set(row["tiers"]) == {"s3"}, row
+        assert row["progress"] == [r, f"rank-{r}"], row
+        _same(before[r], _dumps(again, [r])[r])
+
+    shutil.rmtree(os.path.dirname(shms[0]))
+    procs = [agent(0, alone=True)]
+    half = str(tmp_path / "half")
+    try:
+        _run_nodes(shms[:1], half, "--restore-only", mode="fsdp_tp")
+    finally:
+        for p in procs:
+            kill9(p)
+    for r in range(2):
+        row = json.loads(open(f"{half}.{r}").read())
+        assert row["restored"] == 2 and set(row["tiers"]) == {"s3"}, row
+        _same(before[0], _dumps(half, range(2))[r])

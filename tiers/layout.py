@@ -140,7 +140,14 @@ def _read_columns(data: bytes | memoryview, filters) -> dict[str, list]:
     import pyarrow.parquet as pq
 
     try:
-        table = pq.read_table(pa.BufferReader(bytes(data)), filters=filters)
+        # in the calling thread, no pre-buffering: a layout is small, and a process that exits right after a
+        # read (a CLI command refusing its arguments) while Arrow's pool threads are still up aborts in their
+        # teardown ("terminate called without an active exception", apache/arrow#34314)
+        src = pa.BufferReader(bytes(data))
+        if filters is None:
+            table = pq.ParquetFile(src, pre_buffer=False).read(use_threads=False)
+        else:
+            table = pq.read_table(src, filters=filters, use_threads=False, pre_buffer=False)
         want = ("rank",) + _COLUMNS if "rank" in table.column_names else _COLUMNS
         missing = [c for c in want if c not in table.column_names]
         if missing:
