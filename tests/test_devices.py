@@ -259,3 +259,50 @@ def test_cuda_state_is_staged_through_a_pinned_slot_on_a_side_stream_and_restore
         assert ck.restore(fresh) == 1
     assert all(p.is_cuda for p in fresh["model"].parameters()) and fresh["tensors"]["strided"].is_cuda
     _assert_same(_snapshot(fresh), snap)
+
+
+@cuda
+def test_agent_started_by_a_process_that_initialised_cuda_is_a_new_program_without_cuda(tmp_path):
+    torch.zeros(1, device="cuda")  # the CUDA context exists before the agent is started
+    state = _state(0, "cuda")
+    snap = _snapshot(state)
+    with ckpt.Checkpointer("cuda-spawn", shm=str(tmp_path / "shm")) as ck:
+        assert ck._started_agent
+        pid = ck._client.call("hello")["pid"]
+        with open(f"/proc/{pid}/maps") as f:
+            maps = f.read()
+        # exec'd, not forked: no CUDA driver and no torch in the agent
+        assert "libcuda" not in maps and "libtorch" not in maps
+        ck.save(1, state).wait()
+        fresh = _state(1, "cuda")
+        assert ck.restore(fresh) == 1
+        cuda_ad = ck._devices["cuda"]
+    _assert_same(_snapshot(fresh), snap)
+    assert not cuda_ad._registered  # every slot unpinned before it was unmapped
+
+
+@cuda
+def test_cuda_optimizer_step_right_after_save_changes_nothing_in_the_checkpoint(tmp_path):
+    torch.manual_seed(0)
+    # big enough that the device-to-host copies are still running when the optimizer step is queued
+    model = torch.nn.Sequential(*(torch.nn.Linear(2048, 2048) for _ in range(8))).cuda()
+    optim = torch.optim.AdamW(model.parameters(), lr=0.1)
+    x = torch.randn(64, 2048, device="cuda")
+    model(x).square().mean().backward()
+    optim.step()
+    state = {"model": model, "optim": optim}
+    with ckpt.Checkpointer("cuda-race", shm=str(tmp_path / "shm")) as ck:
+        for step in range(3):
+            want = {k: v.cpu().clone() for k, v in model.state_dict().items()}
+            fut = ck.save(step, state)
+            model(x).square().mean().backward()
+            optim.step()  # waits for the copies: the checkpoint holds the parameters from before it
+            optim.zero_grad()
+            fut.wait()
+            fresh = torch.nn.Sequential(*(torch.nn.Linear(2048, 2048) for _ in range(8))).cuda()
+            fresh_optim = torch.optim.AdamW(fresh.parameters(), lr=0.1)
+            fresh(x).sum().backward()
+            fresh_optim.step()
+            assert ck.restore({"model": fresh, "optim": fresh_optim}, step=step) == step
+            got = {k: v.cpu() for k, v in fresh.state_dict().items()}
+            _assert_same(got, want)
