@@ -375,6 +375,10 @@ class Checkpointer:
                 flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
                 mm = mmap.mmap(f.fileno(), nbytes, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
             buf = torch.frombuffer(mm, dtype=torch.uint8)
+            # pinned (CUDA) here, on the leaser thread for the ring's slots, not by the first save to use the
+            # slot: registering a slot of several GiB takes about a second
+            for ad in list(self._devices.values()):
+                ad.prepare_host(buf)
         with self._map_lock:
             c = cached()
             if c is not None:  # the other thread mapped it meanwhile

@@ -232,13 +232,42 @@ def test_save_returns_before_the_device_copies_land_and_the_optimizer_step_waits
         stepped.join(10)
         assert not stepped.is_alive() and fut.staged()
         fut.wait()
-        assert gate.events[-1] == "done"
+        # (the ring's next slots are prepared on the leaser thread once the save is in)
+        assert [e for e in gate.events if e != "prepare"][-1] == "done"
         fresh = _state(1)
         assert ck.restore(fresh) == 1
         _assert_same(_snapshot(fresh), snap)
         # the strided tensor was read into a host buffer and handed to the adapter
         assert any(t is fresh["tensors"]["strided"] for t in gate.restored)
     assert gate.events[-1] == "release"
+
+
+class PrepareRecorder(CpuAdapter):
+    """Records the slots ``prepare_host`` saw (by data_ptr), and on which thread."""
+
+    def __init__(self) -> None:
+        self.prepared: dict[int, str] = {}
+
+    def prepare_host(self, buf):
+        self.prepared.setdefault(buf.data_ptr(), threading.current_thread().name)
+
+
+def test_ring_slots_mapped_ahead_are_prepared_before_a_save_uses_them(tmp_path, monkeypatch):
+    rec = PrepareRecorder()
+    monkeypatch.setitem(_devices._FACTORIES, "cpu", lambda: rec)
+    state = _state(0)
+    with ckpt.Checkpointer("ahead", shm=str(tmp_path / "shm")) as ck:
+        ck.save(1, state).wait()
+        ck._leaser.submit(lambda: None).result()  # the ring's other slots are mapped by now
+        slots = [buf for _, _, buf in ck._maps.values() if buf is not None]
+        assert len(slots) >= 2
+        # every mapped slot is prepared (pinned, on CUDA) already; all but the first save's, off the training thread
+        assert all(b.data_ptr() in rec.prepared for b in slots)
+        ahead = [rec.prepared[b.data_ptr()] for b in slots]
+        assert sum(name.startswith("tierckpt-lease") for name in ahead) == len(slots) - 1
+        for step in (2, 3, 4):
+            ck.save(step, state).wait()
+        assert all(b.data_ptr() in rec.prepared for _, _, b in ck._maps.values() if b is not None)
 
 
 # -- cuda, for real ------------------------------------------------------------------------------

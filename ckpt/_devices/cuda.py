@@ -9,6 +9,7 @@ has landed in the slot, so the agent hears of the slot only once its bytes are t
 
 from __future__ import annotations
 
+import threading
 from typing import Any, Callable, Hashable
 
 import torch
@@ -32,6 +33,8 @@ class CudaAdapter:
         self._cudart = cudart
         self._pin = torch.cuda.is_available() if pin is None else pin
         self._registered: dict[int, int] = {}  # data_ptr -> bytes
+        # slots are pinned by the Checkpointer's leaser thread as well as by the training thread
+        self._lock = threading.Lock()
         self._side: dict[int, torch.cuda.Stream] = {}
 
     # ------------------------------------------------------------ host memory
@@ -44,31 +47,34 @@ class CudaAdapter:
         if not self._pin or buf.numel() == 0:
             return
         ptr, n = buf.data_ptr(), buf.numel() * buf.element_size()
-        if self._registered.get(ptr) == n:
-            return
-        if ptr in self._registered:
-            self.release_host(buf)
-        err = int(self._rt().cudaHostRegister(ptr, n, _REGISTER_PORTABLE))
-        if err != 0:
-            # still correct unpinned: the copies then run synchronously, at pageable-memory speed
-            import logging
+        with self._lock:
+            if self._registered.get(ptr) == n:
+                return
+            if self._registered.pop(ptr, None) is not None:
+                self._rt().cudaHostUnregister(ptr)
+            err = int(self._rt().cudaHostRegister(ptr, n, _REGISTER_PORTABLE))
+            if err == 0:
+                self._registered[ptr] = n
+                return
+        # still correct unpinned: the copies then run synchronously, at pageable-memory speed
+        import logging
 
-            logging.getLogger("tierckpt").warning(
-                "could not pin the %d-byte staging slot for CUDA (cudaError %d): saves from the GPU will copy "
-                "synchronously", n, err)
-            return
-        self._registered[ptr] = n
+        logging.getLogger("tierckpt").warning(
+            "could not pin the %d-byte staging slot for CUDA (cudaError %d): saves from the GPU will copy "
+            "synchronously", n, err)
 
     def release_host(self, buf: torch.Tensor) -> None:
         if buf is None or buf.numel() == 0:
             return
         ptr = buf.data_ptr()
-        if self._registered.pop(ptr, None) is not None:
-            self._rt().cudaHostUnregister(ptr)
+        with self._lock:
+            if self._registered.pop(ptr, None) is not None:
+                self._rt().cudaHostUnregister(ptr)
 
     def pinned(self, buf: torch.Tensor) -> bool:
         """Whether ``prepare_host`` registered this slot."""
-        return buf.data_ptr() in self._registered
+        with self._lock:
+            return buf.data_ptr() in self._registered
 
     # ------------------------------------------------------------ save
     def _stream(self, device: torch.device) -> torch.cuda.Stream:
