@@ -346,8 +346,12 @@ class Checkpointer:
 
     def _unmap(self, mm: mmap.mmap | None, buf: torch.Tensor | None) -> None:
         if buf is not None:
-            for ad in self._devices.values():
+            for ad in list(self._devices.values()):
                 ad.release_host(buf)
+            # torch.frombuffer does not hold the mapping open: a reference left anywhere (a traceback's frame,
+            # printed by pytest or a logger) would read unmapped memory and crash the process, so the tensor
+            # is emptied before the mapping goes
+            buf.set_()
         if mm is not None:
             try:
                 mm.close()
