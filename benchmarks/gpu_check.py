@@ -49,6 +49,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import traceback
 import warnings
 
 import torch
@@ -197,9 +198,32 @@ def main() -> int:
         parts, why = (None, "left out (--no-dcp)") if args.no_dcp else dcp_parts(gpu)
         stager = None
         dcp_dirs: list[str] = []
+        closed_by: list[str] = []  # where DCP closed the stager it was given, the first time
+        restaged = [0]
+
+        def new_stager():
+            s = parts[1](parts[2])
+            inner = getattr(s, "_state_dict_stager", None)
+            if inner is not None and hasattr(inner, "close"):
+                close = inner.close
+
+                def close_and_say_where() -> None:
+                    if not closed_by:
+                        closed_by.append("".join(traceback.format_stack(limit=10)))
+                    close()
+
+                inner.close = close_and_say_where
+            return s
+
+        fresh_each = [False]  # DCP closes the stager after each save: each save gets a new one
 
         def dcp_save(name: str):
+            nonlocal stager
             dcp, _, _, nodist = parts
+            if stager is None or fresh_each[0]:
+                # a closed DefaultStager cannot stage again: a new one allocates and pins its memory again
+                restaged[0] += stager is not None
+                stager = new_stager()
             d = os.path.join(tmp, name)
             dcp_dirs.append(d)
             sd = {"model": ts.model.state_dict(), "optim": ts.optim.state_dict()}
@@ -218,7 +242,6 @@ def main() -> int:
 
         if parts is not None:
             try:
-                stager = parts[1](parts[2])
                 r = rows["DCP async_save (pinned shm stager)"] = {k: [] for k in ("returns", "staged", "done",
                                                                                     "stall", "after")}
                 n = 0
@@ -231,6 +254,10 @@ def main() -> int:
                     t2 = time.perf_counter()
                     upload_of(resp)
                     t3 = time.perf_counter()
+                    if n == 0:
+                        # the upload's callbacks run just after its result is set: did one close the stager?
+                        time.sleep(0.2)
+                        fresh_each[0] = bool(closed_by)
                     n += 1
                     drop_old_dcp()
                     if i < 2:
@@ -253,9 +280,14 @@ def main() -> int:
                     n += 1
                     drop_old_dcp()
             except Exception as e:  # a baseline that does not run here is reported, not fatal
+                traceback.print_exc()
                 why = f"failed: {type(e).__name__}: {e}"
                 rows.pop("DCP async_save (pinned shm stager)", None)
                 parts = None
+        if closed_by:
+            notes.append(f"DCP closed the stager it was given after a save ({restaged[0]} more saves, each "
+                         "staged by a new DefaultStager); the first close came from:\n"
+                         + closed_by[0])
         if parts is None:
             notes.append(f"DCP async_save row: {why}")
             print(f"DCP async_save: {why}", flush=True)
@@ -374,6 +406,7 @@ def main() -> int:
                 dcp_exact = not dbad
                 restore_rows["DCP load (files in memory)"] = lt
             except Exception as e:
+                traceback.print_exc()
                 notes.append(f"DCP load row: failed: {type(e).__name__}: {e}")
                 dcp_exact = None
         if stager is not None:
