@@ -18,7 +18,9 @@ maximum beside it. Save rows:
   pinned shared memory on a side stream in a thread (``StagingOptions(use_pinned_memory, use_shared_memory,
   use_async_staging, use_non_blocking_copy)``) and a ``FileSystemWriter`` into the same memory folder
   (tmpfs): "staged" is ``staging_completion``, "done" ``upload_completion``. Skipped, with the reason, where
-  the installed torch lacks these.
+  the installed torch lacks these. torch 2.11's ``DefaultStager`` closes its state-dict copier at the end of
+  each staging and cannot stage again; there each save gets a new stager, which allocates and pins its
+  memory again (the report says so): that row is then DCP as it runs on that release, not at its best.
 
 "stall" is what a training loop pays: save, then one training step, minus a plain step (for the bound:
 copy, synchronize, step; for DCP: save, forward/backward, wait for ``staging_completion`` before the
@@ -285,8 +287,9 @@ def main() -> int:
                 rows.pop("DCP async_save (pinned shm stager)", None)
                 parts = None
         if closed_by:
-            notes.append(f"DCP closed the stager it was given after a save ({restaged[0]} more saves, each "
-                         "staged by a new DefaultStager); the first close came from:\n"
+            notes.append(f"DCP's DefaultStager closed its state-dict copier after a save, so it cannot stage "
+                         f"again: {restaged[0]} more saves, each staged by a new DefaultStager (which allocates "
+                         "and pins its staging memory again); the close came from:\n"
                          + closed_by[0])
         if parts is None:
             notes.append(f"DCP async_save row: {why}")

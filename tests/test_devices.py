@@ -285,8 +285,8 @@ def test_ring_slots_mapped_ahead_are_prepared_before_a_save_uses_them(tmp_path, 
 # -- cuda, for real ------------------------------------------------------------------------------
 @pytest.fixture
 def tmpfs(tmp_path):
-    """A memory folder on tmpfs (/dev/shm) where there is one: the kernel may refuse to pin shared pages of a
-    file on a disk file system for CUDA (seen with /tmp on a disk: cudaError 1)."""
+    """A memory folder on tmpfs (/dev/shm) where there is one: on an H200 machine, registering a slot under
+    /tmp, on a disk, failed (cudaError 1), one on /dev/shm never did."""
     if not os.path.isdir("/dev/shm"):
         yield str(tmp_path / "shm")
         return

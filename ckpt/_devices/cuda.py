@@ -87,8 +87,8 @@ class CudaAdapter:
                 return
             self._clear_error()
             said, self._said_unpinned = self._said_unpinned, True
-        # still correct unpinned: the copies then run synchronously, at pageable-memory speed. Seen for a slot
-        # folder on a disk file system (not tmpfs): the kernel does not pin such shared file pages for long.
+        # still correct unpinned: the copies then run synchronously, at pageable-memory speed. Seen on an H200
+        # machine for every slot under /tmp, on a disk (cudaError 1), never for a slot on /dev/shm (tmpfs)
         import logging
 
         logging.getLogger("tierckpt").log(
