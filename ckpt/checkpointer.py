@@ -346,8 +346,12 @@ class Checkpointer:
 
     def _unmap(self, mm: mmap.mmap | None, buf: torch.Tensor | None) -> None:
         if buf is not None:
-            for ad in self._devices.values():
+            for ad in list(self._devices.values()):
                 ad.release_host(buf)
+            # torch.frombuffer does not hold the mapping open: a reference left anywhere (a traceback's frame,
+            # printed by pytest or a logger) would read unmapped memory and crash the process, so the tensor
+            # is emptied before the mapping goes
+            buf.set_()
         if mm is not None:
             try:
                 mm.close()
@@ -375,6 +379,10 @@ class Checkpointer:
                 flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
                 mm = mmap.mmap(f.fileno(), nbytes, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
             buf = torch.frombuffer(mm, dtype=torch.uint8)
+            # pinned (CUDA) here, on the leaser thread for the ring's slots, not by the first save to use the
+            # slot: registering a slot of several GiB takes about a second
+            for ad in list(self._devices.values()):
+                ad.prepare_host(buf)
         with self._map_lock:
             c = cached()
             if c is not None:  # the other thread mapped it meanwhile

@@ -7,6 +7,9 @@ where one is available; here its bookkeeping runs against a stand-in for the CUD
 
 from __future__ import annotations
 
+import os
+import shutil
+import tempfile
 import threading
 import time
 
@@ -136,6 +139,10 @@ class FakeCudart:
         self.calls.append(("unregister", ptr))
         return 0
 
+    def cudaGetLastError(self) -> int:
+        self.calls.append(("get_last_error",))
+        return 0
+
 
 def test_cuda_adapter_pins_each_slot_once_and_unpins_it_before_it_is_unmapped():
     rt = FakeCudart()
@@ -159,7 +166,12 @@ def test_cuda_adapter_keeps_working_unpinned_when_registration_fails(caplog):
     ad.prepare_host(buf)
     assert not ad.pinned(buf) and "cudaError 712" in caplog.text
     ad.release_host(buf)
-    assert [c[0] for c in rt.calls] == ["register"]
+    # the failed call's error is reset at once: left as the runtime's last error, torch raises it after the
+    # next kernel launch on this thread
+    assert [c[0] for c in rt.calls] == ["register", "get_last_error"]
+    caplog.clear()
+    ad.prepare_host(torch.zeros(32, dtype=torch.uint8))
+    assert "could not pin" not in caplog.text  # said once
 
 
 def test_cuda_adapter_without_cuda_pins_nothing_and_restores_host_tensors():
@@ -232,7 +244,8 @@ def test_save_returns_before_the_device_copies_land_and_the_optimizer_step_waits
         stepped.join(10)
         assert not stepped.is_alive() and fut.staged()
         fut.wait()
-        assert gate.events[-1] == "done"
+        # (the ring's next slots are prepared on the leaser thread once the save is in)
+        assert [e for e in gate.events if e != "prepare"][-1] == "done"
         fresh = _state(1)
         assert ck.restore(fresh) == 1
         _assert_same(_snapshot(fresh), snap)
@@ -241,12 +254,54 @@ def test_save_returns_before_the_device_copies_land_and_the_optimizer_step_waits
     assert gate.events[-1] == "release"
 
 
+class PrepareRecorder(CpuAdapter):
+    """Records the slots ``prepare_host`` saw (by data_ptr), and on which thread."""
+
+    def __init__(self) -> None:
+        self.prepared: dict[int, str] = {}
+
+    def prepare_host(self, buf):
+        self.prepared.setdefault(buf.data_ptr(), threading.current_thread().name)
+
+
+def test_ring_slots_mapped_ahead_are_prepared_before_a_save_uses_them(tmp_path, monkeypatch):
+    rec = PrepareRecorder()
+    monkeypatch.setitem(_devices._FACTORIES, "cpu", lambda: rec)
+    state = _state(0)
+    with ckpt.Checkpointer("ahead", shm=str(tmp_path / "shm")) as ck:
+        ck.save(1, state).wait()
+        ck._leaser.submit(lambda: None).result()  # the ring's other slots are mapped by now
+        slots = [buf for _, _, buf in ck._maps.values() if buf is not None]
+        assert len(slots) >= 2
+        # every mapped slot is prepared (pinned, on CUDA) already; all but the first save's, off the training thread
+        assert all(b.data_ptr() in rec.prepared for b in slots)
+        ahead = [rec.prepared[b.data_ptr()] for b in slots]
+        assert sum(name.startswith("tierckpt-lease") for name in ahead) == len(slots) - 1
+        for step in (2, 3, 4):
+            ck.save(step, state).wait()
+        assert all(b.data_ptr() in rec.prepared for _, _, b in ck._maps.values() if b is not None)
+
+
 # -- cuda, for real ------------------------------------------------------------------------------
+@pytest.fixture
+def tmpfs(tmp_path):
+    """A memory folder on tmpfs (/dev/shm) where there is one: on an H200 machine, registering a slot under
+    /tmp, on a disk, failed (cudaError 1), one on /dev/shm never did."""
+    if not os.path.isdir("/dev/shm"):
+        yield str(tmp_path / "shm")
+        return
+    d = tempfile.mkdtemp(dir="/dev/shm", prefix="tierckpt-test-")
+    try:
+        yield os.path.join(d, "shm")
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+
+
 @cuda
-def test_cuda_state_is_staged_through_a_pinned_slot_on_a_side_stream_and_restored_exactly(tmp_path):
+def test_cuda_state_is_staged_through_a_pinned_slot_on_a_side_stream_and_restored_exactly(tmpfs):
     state = _state(0, "cuda")
     snap = _snapshot(state)
-    with ckpt.Checkpointer("cuda", shm=str(tmp_path / "shm")) as ck:
+    with ckpt.Checkpointer("cuda", shm=tmpfs) as ck:
         fut = ck.save(1, state)
         # the next step's kernels change buffers in place at once: the compute stream waits for their copies
         with torch.no_grad():
@@ -258,4 +313,85 @@ def test_cuda_state_is_staged_through_a_pinned_slot_on_a_side_stream_and_restore
         fresh = _state(1, "cuda")
         assert ck.restore(fresh) == 1
     assert all(p.is_cuda for p in fresh["model"].parameters()) and fresh["tensors"]["strided"].is_cuda
+    _assert_same(_snapshot(fresh), snap)
+
+
+@cuda
+def test_agent_started_by_a_process_that_initialised_cuda_is_a_new_program_without_cuda(tmpfs):
+    torch.zeros(1, device="cuda")  # the CUDA context exists before the agent is started
+    state = _state(0, "cuda")
+    snap = _snapshot(state)
+    with ckpt.Checkpointer("cuda-spawn", shm=tmpfs) as ck:
+        assert ck._started_agent
+        pid = ck._client.call("hello")["pid"]
+        with open(f"/proc/{pid}/maps") as f:
+            maps = f.read()
+        # exec'd, not forked: no CUDA driver and no torch in the agent
+        assert "libcuda" not in maps and "libtorch" not in maps
+        ck.save(1, state).wait()
+        fresh = _state(1, "cuda")
+        assert ck.restore(fresh) == 1
+        cuda_ad = ck._devices["cuda"]
+    _assert_same(_snapshot(fresh), snap)
+    assert not cuda_ad._registered  # every slot unpinned before it was unmapped
+
+
+@cuda
+def test_cuda_optimizer_step_right_after_save_changes_nothing_in_the_checkpoint(tmpfs):
+    torch.manual_seed(0)
+    # big enough that the device-to-host copies are still running when the optimizer step is queued
+    model = torch.nn.Sequential(*(torch.nn.Linear(2048, 2048) for _ in range(8))).cuda()
+    optim = torch.optim.AdamW(model.parameters(), lr=0.1)
+    x = torch.randn(64, 2048, device="cuda")
+    model(x).square().mean().backward()
+    optim.step()
+    state = {"model": model, "optim": optim}
+    with ckpt.Checkpointer("cuda-race", shm=tmpfs) as ck:
+        for step in range(3):
+            want = {k: v.cpu().clone() for k, v in model.state_dict().items()}
+            fut = ck.save(step, state)
+            model(x).square().mean().backward()
+            optim.step()  # waits for the copies: the checkpoint holds the parameters from before it
+            optim.zero_grad()
+            fut.wait()
+            fresh = torch.nn.Sequential(*(torch.nn.Linear(2048, 2048) for _ in range(8))).cuda()
+            fresh_optim = torch.optim.AdamW(fresh.parameters(), lr=0.1)
+            fresh(x).sum().backward()
+            fresh_optim.step()
+            assert ck.restore({"model": fresh, "optim": fresh_optim}, step=step) == step
+            got = {k: v.cpu() for k, v in fresh.state_dict().items()}
+            _assert_same(got, want)
+
+
+class RefusingCudart:
+    """The real CUDA runtime, except that registration is asked for 0 bytes: it fails as a refused pin does,
+    and leaves the runtime's last error set, as a refusal does."""
+
+    def __init__(self) -> None:
+        self.rt = torch.cuda.cudart()
+
+    def cudaHostRegister(self, ptr: int, n: int, flags: int):
+        return self.rt.cudaHostRegister(ptr, 0, flags)
+
+    def cudaHostUnregister(self, ptr: int):
+        return self.rt.cudaHostUnregister(ptr)
+
+
+@cuda
+def test_cuda_saves_stay_exact_and_training_goes_on_when_the_slot_cannot_be_pinned(tmp_path, monkeypatch):
+    monkeypatch.setitem(_devices._FACTORIES, "cuda", lambda: CudaAdapter(cudart=RefusingCudart(), pin=True))
+    state = _state(0, "cuda")
+    snap = _snapshot(state)
+    with ckpt.Checkpointer("cuda-unpinned", shm=str(tmp_path / "shm")) as ck:
+        for step in (1, 2):  # the second save stages into slots the leaser thread failed to pin
+            fut = ck.save(step, state)
+            # kernel launches on the training thread right after the failed registration
+            with torch.no_grad():
+                state["model"][1].running_mean.add_(1)
+            state["model"](torch.randn(4, 8, device="cuda")).sum().backward()
+            fut.wait()
+        slots = [buf for _, _, buf in ck._maps.values() if buf is not None]
+        assert slots and not any(ck._devices["cuda"].pinned(b) for b in slots)
+        fresh = _state(1, "cuda")
+        assert ck.restore(fresh, step=1) == 1
     _assert_same(_snapshot(fresh), snap)

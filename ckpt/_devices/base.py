@@ -6,8 +6,10 @@ an adapter can batch the transfer (one XLA call, one CUDA stream).
 
 Call order, for one Checkpointer:
 
-- ``prepare_host(buf)`` once per staging slot mapping, before that slot's first ``stage`` (CUDA pins it);
-  ``release_host(buf)`` before the mapping is closed. Both are cheap when repeated.
+- ``prepare_host(buf)`` once per staging slot mapping, before that slot's first ``stage`` (CUDA pins it):
+  for the slots of the ring mapped ahead, on the Checkpointer's leaser thread, while the training thread
+  may be staging into another slot; ``release_host(buf)`` before the mapping is closed. Both are cheap when
+  repeated, and must be safe to call from two threads at once.
 - ``stage(now, later, buf)`` on the training thread, once per save. It starts the transfer and returns a
   :class:`Staging`: host tensors the Checkpointer still has to copy into the slot (``now`` before ``save``
   returns, ``later`` in its background threads) and ``done``, which the Checkpointer's staging thread calls

@@ -9,6 +9,8 @@ has landed in the slot, so the agent hears of the slot only once its bytes are t
 
 from __future__ import annotations
 
+import contextlib
+import threading
 from typing import Any, Callable, Hashable
 
 import torch
@@ -32,7 +34,13 @@ class CudaAdapter:
         self._cudart = cudart
         self._pin = torch.cuda.is_available() if pin is None else pin
         self._registered: dict[int, int] = {}  # data_ptr -> bytes
+        # slots are pinned by the Checkpointer's leaser thread as well as by the training thread
+        self._lock = threading.Lock()
         self._side: dict[int, torch.cuda.Stream] = {}
+        #: the device the staged tensors live on, once one was staged: registration runs with it current, so
+        #: a background thread (whose current device is 0) never creates a context on another rank's GPU
+        self._home: int | None = None
+        self._said_unpinned = False
 
     # ------------------------------------------------------------ host memory
     def _rt(self) -> Any:
@@ -40,35 +48,66 @@ class CudaAdapter:
             self._cudart = torch.cuda.cudart()
         return self._cudart
 
+    def _on_home(self) -> Any:
+        if self._home is None or not torch.cuda.is_available():
+            return contextlib.nullcontext()
+        return torch.cuda.device(self._home)
+
+    def _clear_error(self) -> None:
+        """Reset this thread's CUDA runtime error after a failed call: the runtime keeps it as its "last
+        error", and torch's check after the next kernel launch on this thread would raise it there
+        (``CUDA error: invalid argument`` from an unrelated copy or forward pass)."""
+        rt = self._rt()
+        get_last = getattr(rt, "cudaGetLastError", None)
+        if get_last is not None:
+            get_last()
+            return
+        if not torch.cuda.is_available():
+            return
+        # torch's runtime module has no cudaGetLastError; a kernel launch reads and resets the error, and torch
+        # raises it once
+        try:
+            torch.zeros(1, device="cuda" if self._home is None else f"cuda:{self._home}")
+        except Exception:  # noqa: BLE001 - the error being reset, whatever torch wraps it in
+            pass
+
     def prepare_host(self, buf: torch.Tensor) -> None:
         if not self._pin or buf.numel() == 0:
             return
         ptr, n = buf.data_ptr(), buf.numel() * buf.element_size()
-        if self._registered.get(ptr) == n:
-            return
-        if ptr in self._registered:
-            self.release_host(buf)
-        err = int(self._rt().cudaHostRegister(ptr, n, _REGISTER_PORTABLE))
-        if err != 0:
-            # still correct unpinned: the copies then run synchronously, at pageable-memory speed
-            import logging
+        with self._lock, self._on_home():
+            if self._registered.get(ptr) == n:
+                return
+            if self._registered.pop(ptr, None) is not None:
+                if int(self._rt().cudaHostUnregister(ptr)) != 0:
+                    self._clear_error()
+            err = int(self._rt().cudaHostRegister(ptr, n, _REGISTER_PORTABLE))
+            if err == 0:
+                self._registered[ptr] = n
+                return
+            self._clear_error()
+            said, self._said_unpinned = self._said_unpinned, True
+        # still correct unpinned: the copies then run synchronously, at pageable-memory speed. Seen on an H200
+        # machine for every slot under /tmp, on a disk (cudaError 1), never for a slot on /dev/shm (tmpfs)
+        import logging
 
-            logging.getLogger("tierckpt").warning(
-                "could not pin the %d-byte staging slot for CUDA (cudaError %d): saves from the GPU will copy "
-                "synchronously", n, err)
-            return
-        self._registered[ptr] = n
+        logging.getLogger("tierckpt").log(
+            logging.DEBUG if said else logging.WARNING,
+            "could not pin the %d-byte staging slot for CUDA (cudaError %d): saves from the GPU copy "
+            "synchronously; put the agent's memory folder (shm) on tmpfs such as /dev/shm", n, err)
 
     def release_host(self, buf: torch.Tensor) -> None:
         if buf is None or buf.numel() == 0:
             return
         ptr = buf.data_ptr()
-        if self._registered.pop(ptr, None) is not None:
-            self._rt().cudaHostUnregister(ptr)
+        with self._lock, self._on_home():
+            if self._registered.pop(ptr, None) is not None and int(self._rt().cudaHostUnregister(ptr)) != 0:
+                self._clear_error()
 
     def pinned(self, buf: torch.Tensor) -> bool:
         """Whether ``prepare_host`` registered this slot."""
-        return buf.data_ptr() in self._registered
+        with self._lock:
+            return buf.data_ptr() in self._registered
 
     # ------------------------------------------------------------ save
     def _stream(self, device: torch.device) -> torch.cuda.Stream:
@@ -85,6 +124,8 @@ class CudaAdapter:
                 by_dev.setdefault(item[0].device, ([], []))[i].append(item)
         events: list[torch.cuda.Event] = []
         for dev, (dnow, dlater) in by_dev.items():
+            if self._home is None:
+                self._home = dev.index if dev.index is not None else torch.cuda.current_device()
             compute = torch.cuda.current_stream(dev)
             side = self._stream(dev)
             # the copies read what the step wrote: start them after everything queued so far
