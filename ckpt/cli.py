@@ -437,6 +437,20 @@ def cmd_verify(a: argparse.Namespace) -> int:
                 except (TierError, OSError) as e:
                     rows.append([str(step), inv.name, str(sh.rank), f"unreadable: {e}"])
                     bad += 1
+            for rank in sorted(st.heads):  # a peer's copy of a shard's unique part (its replicas hold the rest)
+                sh = st.manifest.shard(rank) if rank < st.manifest.world else None
+                if sh is None or sh.unique is None:
+                    rows.append([str(step), inv.name, f"{rank} (head)", "not in the manifest: stray"])
+                    bad += 1
+                    continue
+                try:
+                    data = inv.tier.get(keys.head_key(job, step, rank))
+                    ok = len(data) == sh.unique[0] and checksum_bytes(data) == sh.unique[1]
+                    rows.append([str(step), inv.name, f"{rank} (head)", "ok" if ok else "CORRUPT (checksum mismatch)"])
+                    bad += not ok
+                except (TierError, OSError) as e:
+                    rows.append([str(step), inv.name, f"{rank} (head)", f"unreadable: {e}"])
+                    bad += 1
     stale = 0
     for inv in invs:
         if inv.error is not None:

@@ -170,3 +170,18 @@ def test_heads_are_listed_apart_from_shards_and_counted_in_a_steps_bytes(places)
     assert set(st.shards) == {1} and st.heads == {0: 4096}
     assert st.nbytes == st.shards[1] + 4096
     assert os.path.exists(mem1.path(keys.head_key(JOB, STEP, 0)))
+
+
+def test_verify_checks_a_head_against_the_manifest(places, capsys):
+    from ckpt.cli import main
+
+    _, mem1, _, _ = places
+    assert main(["verify", JOB, "--step", str(STEP), "--shm", mem1.root]) == 0
+    out = capsys.readouterr().out
+    assert any(line.split()[2:4] == ["0", "(head)"] and line.split()[-1] == "ok" for line in out.splitlines()), out
+    path = mem1.path(keys.head_key(JOB, STEP, 0))
+    with open(path, "r+b") as f:
+        f.write(b"\x01")
+    assert main(["verify", JOB, "--step", str(STEP), "--shm", mem1.root]) != 0
+    out = capsys.readouterr().out
+    assert any("(head)" in line and "CORRUPT" in line for line in out.splitlines()), out
