@@ -136,27 +136,59 @@ def _same(a: dict, b: dict) -> None:
         assert torch.equal(a[k], b[k]), k
 
 
-def test_hsdp_on_two_nodes_writes_each_chunk_once_to_s3_and_restores_from_it_bit_exact(tmp_path, s3_bucket):
-    from procs import kill9, start_agent, write_secret
+class _TwoNodes:
+    """Two simulated nodes for one job: a memory folder (and a disk folder, with ``disk``) each, a signed peer
+    list on loopback, S3 on moto; ``agent(n)`` starts node ``n``'s agent (``alone``: without peers)."""
 
-    endpoint, bucket = s3_bucket
-    peers = tmp_path / "peers.txt"
-    ports = [free_port(), free_port()]
-    peers.write_text("".join(f"127.0.0.1:{p}\n" for p in ports))
-    secret = write_secret(str(tmp_path / "secret"))
-    shms = [str(tmp_path / f"node{n}" / "shm") for n in (0, 1)]
-    disks = [str(tmp_path / f"node{n}" / "disk") for n in (0, 1)]
+    def __init__(self, tmp_path, s3_bucket, disk: bool) -> None:
+        from procs import write_secret
 
-    def agents(peer_list: str | None, count: int = 2) -> list:
-        out = []
+        self.endpoint, self.bucket = s3_bucket
+        self.peers = tmp_path / "peers.txt"
+        self.peers.write_text("".join(f"127.0.0.1:{free_port()}\n" for _ in range(2)))
+        self.secret = write_secret(str(tmp_path / "secret"))
+        self.shms = [str(tmp_path / f"node{n}" / "shm") for n in (0, 1)]
+        self.disks = [str(tmp_path / f"node{n}" / "disk") for n in (0, 1)] if disk else None
+
+    def agent(self, n: int, alone: bool = False):
+        from procs import start_agent
+
+        os.makedirs(os.path.dirname(self.shms[n]), exist_ok=True)
+        disk = ["--disk", self.disks[n], "--disk-every", "1"] if self.disks else []
+        return start_agent(self.shms[n], "--node-rank", str(n), *([] if alone else ["--peers", str(self.peers)]),
+                           "--secret-file", self.secret, *disk, "--s3", f"s3://{self.bucket}/ckpt",
+                           "--s3-endpoint", self.endpoint, "--s3-every", "1")
+
+
+    def restore_from_s3(self, out: str, before: dict, count: int, mode: str) -> None:
+        """Both nodes' folders wiped, ``count`` nodes' ranks restore the newest step (2) from S3 alone and
+        match ``before`` bit for bit (with 2 ranks, one replica group: rank 0's whole tensors); with every node
+        back, each rank gets its own values."""
+        from procs import kill9
+
         for n in range(count):
-            os.makedirs(os.path.dirname(shms[n]), exist_ok=True)
-            out.append(start_agent(shms[n], "--node-rank", str(n), *(["--peers", peer_list] if peer_list else []),
-                                   "--secret-file", secret, "--disk", disks[n], "--disk-every", "1",
-                                   "--s3", f"s3://{bucket}/ckpt", "--s3-endpoint", endpoint, "--s3-every", "1"))
-        return out
+            shutil.rmtree(os.path.dirname(self.shms[n]), ignore_errors=True)
+        procs = [self.agent(n, alone=count == 1) for n in range(count)]
+        try:
+            _run_nodes(self.shms[:count], out, "--restore-only", mode=mode)
+        finally:
+            for p in procs:
+                kill9(p)
+        for r in range(2 * count):
+            row = json.loads(open(f"{out}.{r}").read())
+            assert row["restored"] == 2 and set(row["tiers"]) == {"s3"}, row
+            if count == 2:
+                assert row["progress"] == [r, f"rank-{r}"], row  # its own values, not its replica's
+            _same(before[r if count == 2 else 0], _dumps(out, [r])[r])
 
-    procs = agents(str(peers))
+
+def test_hsdp_on_two_nodes_writes_each_chunk_once_to_s3_and_restores_from_it_bit_exact(tmp_path, s3_bucket):
+    from procs import kill9
+
+    nodes = _TwoNodes(tmp_path, s3_bucket, disk=True)
+    endpoint, bucket, shms, disks = nodes.endpoint, nodes.bucket, nodes.shms, nodes.disks
+
+    procs = [nodes.agent(0), nodes.agent(1)]
     saved = str(tmp_path / "saved")
     try:
         _run_nodes(shms, saved, "--steps", "3")
@@ -180,37 +212,11 @@ def test_hsdp_on_two_nodes_writes_each_chunk_once_to_s3_and_restores_from_it_bit
         for r in (2 * n, 2 * n + 1):
             assert os.path.getsize(os.path.join(disks[n], "dedup", "step-2", f"rank-{r}.shard")) == memory[r]
 
-    # every node loses memory and disk: the ranks restore from S3, each chunk from the rank that wrote it
-    for n in (0, 1):
-        shutil.rmtree(os.path.dirname(shms[n]))
-    procs = agents(str(peers))
-    again = str(tmp_path / "again")
-    try:
-        _run_nodes(shms, again, "--restore-only")
-    finally:
-        for p in procs:
-            kill9(p)
-    for r in range(4):
-        row = json.loads(open(f"{again}.{r}").read())
-        assert row["restored"] == 2 and set(row["tiers"]) == {"s3"}, row
-        assert row["progress"] == [r, f"rank-{r}"], row  # its own values, not its replica's
-    before, after = _dumps(saved, range(4)), _dumps(again, range(4))
-    for r in range(4):
-        _same(before[r], after[r])
-
-    # one replica group on one node (2 ranks, world 4 -> 2), from S3 again
-    shutil.rmtree(os.path.dirname(shms[0]))
-    procs = agents(None, count=1)
-    half = str(tmp_path / "half")
-    try:
-        _run_nodes(shms[:1], half, "--restore-only")
-    finally:
-        for p in procs:
-            kill9(p)
-    for r in range(2):
-        row = json.loads(open(f"{half}.{r}").read())
-        assert row["restored"] == 2 and set(row["tiers"]) == {"s3"}, row
-        _same(before[0], _dumps(half, range(2))[r])
+    # every node loses memory and disk: the ranks restore from S3, each chunk from the rank that wrote it;
+    # then one replica group on one node (2 ranks, world 4 -> 2), from S3 again
+    before = _dumps(saved, range(4))
+    nodes.restore_from_s3(str(tmp_path / "again"), before, 2, "hsdp")
+    nodes.restore_from_s3(str(tmp_path / "half"), before, 1, "hsdp")
 
     # the CLI reads the shared tier's manifest as any other: verify, and an export of whole tensors
     from procs import ckpt_cmd
@@ -236,21 +242,10 @@ def test_hsdp_node_lost_restores_from_its_replicas_memory_and_peers_hold_only_un
     part (the optimizer's step counts, the rank's values). Node 0 then loses its agent (kill -9), memory and
     disk: its ranks restore from node 1's memory (their heads and their replicas' shards), bit-exact, with
     their own values, reading no disk and no S3 although both hold the step."""
-    from procs import kill9, start_agent, write_secret
+    from procs import kill9
 
-    endpoint, bucket = s3_bucket
-    peers = tmp_path / "peers.txt"
-    ports = [free_port(), free_port()]
-    peers.write_text("".join(f"127.0.0.1:{p}\n" for p in ports))
-    secret = write_secret(str(tmp_path / "secret"))
-    shms = [str(tmp_path / f"node{n}" / "shm") for n in (0, 1)]
-    disks = [str(tmp_path / f"node{n}" / "disk") for n in (0, 1)]
-
-    def agent(n: int):
-        os.makedirs(os.path.dirname(shms[n]), exist_ok=True)
-        return start_agent(shms[n], "--node-rank", str(n), "--peers", str(peers), "--secret-file", secret,
-                           "--disk", disks[n], "--disk-every", "1", "--s3", f"s3://{bucket}/ckpt",
-                           "--s3-endpoint", endpoint, "--s3-every", "1")
+    nodes = _TwoNodes(tmp_path, s3_bucket, disk=True)
+    shms, agent = nodes.shms, nodes.agent
 
     procs = [agent(0), agent(1)]
     saved = str(tmp_path / "saved")
@@ -298,19 +293,10 @@ def test_fsdp_tp_writes_tp_replicated_tensors_once_to_s3_and_restores_resharded(
     replicas are no second copy in memory: the pair's lead rank sends its whole shard to the other node and its
     partner only its unique part. Node 1 lost: rank 2 restores from its copy on node 0, rank 3 from its head and
     rank 2's shard there. From S3 alone the job restores bit-exact at 4 ranks and resharded at 2 (dp 1 x tp 2)."""
-    from procs import kill9, start_agent, write_secret
+    from procs import kill9
 
-    endpoint, bucket = s3_bucket
-    peers = tmp_path / "peers.txt"
-    peers.write_text("".join(f"127.0.0.1:{free_port()}\n" for _ in range(2)))
-    secret = write_secret(str(tmp_path / "secret"))
-    shms = [str(tmp_path / f"node{n}" / "shm") for n in (0, 1)]
-
-    def agent(n: int, alone: bool = False):
-        os.makedirs(os.path.dirname(shms[n]), exist_ok=True)
-        return start_agent(shms[n], "--node-rank", str(n), *([] if alone else ["--peers", str(peers)]),
-                           "--secret-file", secret, "--s3", f"s3://{bucket}/ckpt", "--s3-endpoint", endpoint,
-                           "--s3-every", "1")
+    nodes = _TwoNodes(tmp_path, s3_bucket, disk=False)
+    endpoint, bucket, shms, agent = nodes.endpoint, nodes.bucket, nodes.shms, nodes.agent
 
     procs = [agent(0), agent(1)]
     saved, lost = str(tmp_path / "saved"), str(tmp_path / "lost")
@@ -348,30 +334,5 @@ def test_fsdp_tp_writes_tp_replicated_tensors_once_to_s3_and_restores_resharded(
         assert row["progress"] == [r, f"rank-{r}"], row
         _same(before[r], _dumps(lost, [r])[r])
 
-    for n in (0, 1):
-        shutil.rmtree(os.path.dirname(shms[n]))
-    procs = [agent(0), agent(1)]
-    again = str(tmp_path / "again")
-    try:
-        _run_nodes(shms, again, "--restore-only", mode="fsdp_tp")
-    finally:
-        for p in procs:
-            kill9(p)
-    for r in range(4):
-        row = json.loads(open(f"{again}.{r}").read())
-        assert row["restored"] == 2 and set(row["tiers"]) == {"s3"}, row
-        assert row["progress"] == [r, f"rank-{r}"], row
-        _same(before[r], _dumps(again, [r])[r])
-
-    shutil.rmtree(os.path.dirname(shms[0]))
-    procs = [agent(0, alone=True)]
-    half = str(tmp_path / "half")
-    try:
-        _run_nodes(shms[:1], half, "--restore-only", mode="fsdp_tp")
-    finally:
-        for p in procs:
-            kill9(p)
-    for r in range(2):
-        row = json.loads(open(f"{half}.{r}").read())
-        assert row["restored"] == 2 and set(row["tiers"]) == {"s3"}, row
-        _same(before[0], _dumps(half, range(2))[r])
+    nodes.restore_from_s3(str(tmp_path / "again"), before, 2, "fsdp_tp")
+    nodes.restore_from_s3(str(tmp_path / "half"), before, 1, "fsdp_tp")
