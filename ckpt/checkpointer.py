@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import contextlib
-import json
 import logging
 import mmap
 import os
@@ -55,19 +54,16 @@ from tiers import keys
 from tiers.base import Tier
 from tiers.errors import ManifestError, TierError
 from tiers.layout import Layout
-from tiers.manifest import BYTES_DTYPE, SPILL_BYTES, VALUES_NAME, TensorChunk
 
 from ._devices import DeviceAdapter, Item, make_adapter
 from . import _guard
-from ._flatten import Flat, encode_value, flatten_state
+from ._flatten import flatten_state
 from ._load import ShardLoader, StateMismatchError, kept
-from ._replicas import OwnerBalance, replicas_of
-from ._tensors import dtype_name as _dtype_name, local_chunk
+from ._shard_plan import ShardPlanner
 
 __all__ = ["Checkpointer", "SaveFuture", "RestoreReport", "CheckpointError", "RestoreError", "StateMismatchError"]
 
 log = logging.getLogger("tierckpt")
-_ALIGN = 64
 
 
 class CheckpointError(RuntimeError):
@@ -225,8 +221,9 @@ class Checkpointer:
         self._map_lock = threading.Lock()
         self._devices: dict[str, DeviceAdapter] = {}
         self._inflight: SaveFuture | None = None
-        #: the last layout this rank saved, and the digest of the last one the agent accepted
-        self._last_layout: Layout | None = None
+        #: where each leaf goes in the shard, worked out again only when the state's shape changes
+        self._planner = ShardPlanner()
+        #: the digest of the last layout the agent accepted
         self._layout_sent: str | None = None
         self._errors: list[str] = []
         self._hook: Any = None
@@ -417,8 +414,8 @@ class Checkpointer:
             self._raise_pending()
         if self.overlap:
             self._install_hook()  # before flattening: a container's state_dict may take an optimizer step
-        flat = flatten_state(state)
-        layout, values, copies, total, durable = self._layout(flat)
+        plan = self._planner.plan(flatten_state(state), self.overlap)
+        layout, values, copies, total, durable = plan.layout, plan.values, plan.copies, plan.total, plan.durable
         slot = self._take_prelease(total)
         if slot is None:
             try:
@@ -546,7 +543,7 @@ class Checkpointer:
         """Lease and fault in, in the background, the slot of a first save of ``state`` (a fresh start's
         restore): the first save then waits for no fresh memory when the first step outlasts the faulting."""
         try:
-            total = self._layout(flatten_state(state))[3]
+            total = self._planner.plan(flatten_state(state), self.overlap).total
         except Exception:  # the save says what is wrong with the state
             return
         self._lease_ahead(total)
@@ -618,65 +615,6 @@ class Checkpointer:
                     raise
                 send = True  # the agent restarted, or dropped it: send the entries again
         raise AssertionError("unreachable")
-
-    def _layout(self, flat: Flat) -> tuple[Layout, list[list], list[tuple[torch.Tensor, int, int, bool]], int, int]:
-        """The shard's layout, its JSON values, the copies that fill it, its size, and its durable part: the
-        chunks this rank writes to the shared tier come first (its own, those it owns of the chunks other
-        ranks hold copies of, its values), then the copies another rank writes (:mod:`ckpt._replicas`)."""
-        chunks: list[TensorChunk] = []
-        values: list[list] = []
-        copies = []
-        off = 0
-        tail: list[tuple[Any, torch.Tensor, tuple, tuple, int]] = []
-        balance = OwnerBalance()
-
-        def place(name: str, local: torch.Tensor, gshape: tuple, offsets: tuple, n: int, guarded: bool) -> None:
-            nonlocal off
-            off = (off + _ALIGN - 1) // _ALIGN * _ALIGN
-            chunks.append(TensorChunk(name, _dtype_name(local.dtype), gshape, offsets, tuple(local.shape), off, n))
-            copies.append((local, off, n, guarded))
-            off += n
-
-        for leaf in flat.leaves:
-            if isinstance(leaf.value, bytes):
-                # raw in the shard, copied before save returns (the caller may reuse the object)
-                n = len(leaf.value)
-                off = (off + _ALIGN - 1) // _ALIGN * _ALIGN
-                chunks.append(TensorChunk(leaf.name, BYTES_DTYPE, (n,), (0,), (n,), off, n))
-                if n:
-                    copies.append((torch.frombuffer(bytearray(leaf.value), dtype=torch.uint8), off, n, False))
-                off += n
-                continue
-            if leaf.tensor is None:
-                values.append([leaf.name, encode_value(leaf.value)])
-                continue
-            local, gshape, offsets = local_chunk(leaf.tensor)
-            if local.requires_grad:  # state-dict entries come detached; on XLA a detach is a traced op
-                local = local.detach()
-            n = local.numel() * local.element_size()
-            rep = replicas_of(leaf.tensor) if n else None
-            if rep is not None and not balance.deal(rep, n).mine:
-                tail.append((leaf, local, gshape, offsets, n))  # another holder writes it to the shared tier
-                continue
-            place(leaf.name, local, gshape, offsets, n, leaf.guarded and self.overlap)
-        if values:
-            blob = json.dumps(values, allow_nan=False, separators=(",", ":")).encode()
-            if len(blob) > SPILL_BYTES:
-                # too many for the manifest every node receives: into this rank's shard (tiers.manifest.SPILL_BYTES)
-                off = (off + _ALIGN - 1) // _ALIGN * _ALIGN
-                n = len(blob)
-                chunks.append(TensorChunk(VALUES_NAME, BYTES_DTYPE, (n,), (0,), (n,), off, n))
-                copies.append((torch.frombuffer(bytearray(blob), dtype=torch.uint8), off, n, False))
-                off += n
-                values = []
-        durable = off
-        for leaf, local, gshape, offsets, n in tail:
-            place(leaf.name, local, gshape, offsets, n, leaf.guarded and self.overlap)
-        layout = Layout(tuple(chunks))
-        if layout == self._last_layout:
-            layout = self._last_layout  # keeps its digest: computed once while the layout does not change
-        self._last_layout = layout
-        return layout, values, copies, off, durable
 
     # ------------------------------------------------------------------ wait / close
     def _agent_wait(self, step: int | None, timeout: float | None) -> None:
