@@ -223,3 +223,24 @@ def test_a_checkpointer_restores_each_steps_own_values_and_tensors_after_changes
                     assert all(_same_value(got[k][k2], x) for k2, x in v.items()), (step, k)
                 else:
                     assert _same_value(got[k], v), (step, k, got[k], v)
+
+
+# ------------------------------------------------------------------------------------------- slots
+def test_populating_a_mapping_ahead_never_changes_the_bytes_of_the_slot(tmp_path):
+    """The leaser maps the ring's other slots ahead, and those hold retained steps: faulting their page tables
+    in must not write them."""
+    from ckpt.checkpointer import _populate
+    import mmap
+    import os
+
+    path = tmp_path / "slot"
+    data = os.urandom(3 << 20)
+    path.write_bytes(data)
+    with open(path, "r+b") as f:
+        mm = mmap.mmap(f.fileno(), len(data), flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    buf = torch.frombuffer(mm, dtype=torch.uint8)
+    _populate(buf.data_ptr(), len(data))
+    assert bytes(mm[:]) == data
+    del buf
+    mm.close()
+    assert path.read_bytes() == data
