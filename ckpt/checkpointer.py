@@ -9,14 +9,26 @@ Call order::
     ck.close()                         # waits, raises any background error, disconnects
 
 ``save`` copies the state into a pre-faulted shared-memory slot of the node
-agent. Tensors that only an optimizer step may change (parameters and
-optimizer state) are copied in the background while the next forward/backward
-runs; an optimizer step pre-hook waits for that copy before any parameter
-changes (one global hook, :mod:`ckpt._guard`, for every optimizer of the
-process, bare or inside a ``Stateful`` container). Everything else (buffers,
-plain tensors, other Stateful state, bytes) is copied before ``save``
-returns. Once the copy is done the agent is told, and it does the rest
-(checksum, manifest, disk, S3) in its own process.
+agent, leased and mapped ahead, off the training thread, after each save
+(and at ``restore``). ``save`` never waits for that slot: when it is not
+ready yet (saves back to back at the start of a job, faster than the agent
+faults a slot in), it takes one the agent only sizes, and the save's own
+copies allocate and fault in its memory, in the background for the tensors
+copied there; the copy takes longer once, ``save`` does not block longer.
+Only when the agent has no free slot at all does ``save`` wait, or skip,
+as its full policy says (a state with tensors on an accelerator has its
+slot's memory allocated before ``save`` returns: its adapter may pin it).
+
+Tensors that only an optimizer step may change (parameters and optimizer
+state) are copied in the background while the next forward/backward runs;
+an optimizer step pre-hook waits for that copy before any parameter changes
+(one global hook, :mod:`ckpt._guard`, for every optimizer of the process,
+bare or inside a ``Stateful`` container). Everything else of the caller's
+(buffers, plain tensors) is copied before ``save`` returns, and the JSON
+values and bytes are captured then (copied later from private buffers).
+Once the copy is done the agent is told, and it does the rest (checksum,
+manifest, disk, S3) in its own process. Where each leaf goes in the slot is
+worked out again only when the state's shape changed (:mod:`ckpt._shard_plan`).
 
 Each device type's tensors reach the slot through that type's adapter
 (:mod:`ckpt._devices`): CPU tensors on this module's copier threads, CUDA
@@ -28,6 +40,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import contextlib
+import errno
 import logging
 import mmap
 import os
@@ -447,32 +460,24 @@ class Checkpointer:
             self._install_hook()  # before flattening: a container's state_dict may take an optimizer step
         plan = self._planner.plan(flatten_state(state), self.overlap)
         layout, values, copies, total, durable = plan.layout, plan.values, plan.copies, plan.total, plan.durable
-        slot = self._take_prelease(total)
-        if slot is None:
-            try:
-                resp = self._client.call("begin", job=self.job, rank=self.rank, world=self.world, nbytes=total)
-            except AgentError as e:  # the agent's memory is full, or it refused the save: the user's error type
-                raise CheckpointError(f"step {step}: the node agent could not take the save ({e.kind}: {e}); "
-                                      "free host memory or lower keep_memory, then save again") from e
-            self._collect(resp)
-            if resp.get("skip"):
-                log.warning("step %d not checkpointed: %s", step, resp["skip"])
-                self.skipped.append((step, resp["skip"]))
-                return None
-            slot = resp["slot"]
-        fut = SaveFuture(step, _ck=self)
         try:
-            buf = self._map(slot, total)
-            now, later, waits = self._stage(buf, copies)
-            self._copy(buf, now)
-        except BaseException:
-            self._client.call("release", slot=slot)
-            raise
+            slot, why = self._lease_now(total)
+        except AgentError as e:  # the agent's memory is full, or it refused the save: the user's error type
+            raise CheckpointError(f"step {step}: the node agent could not take the save ({e.kind}: {e}); "
+                                  "free host memory or lower keep_memory, then save again") from e
+        if slot is None:
+            log.warning("step %d not checkpointed: %s", step, why)
+            self.skipped.append((step, why))
+            return None
+        fut = SaveFuture(step, _ck=self)
+        buf, later, waits, sparse = self._stage_now(slot, total, copies, f"step {step}")
         meta = {**self.metadata, **(metadata or {})}
         self._inflight = fut
 
         def finish() -> None:
             try:
+                if sparse:
+                    self._allocate(slot, [(0, total)])
                 self._copy_parallel(buf, later)
                 for done in waits:
                     done()
@@ -499,6 +504,94 @@ class Checkpointer:
         else:
             finish()
         return fut
+
+    def _stage_now(self, slot: str, total: int, copies: list[tuple[torch.Tensor, int, int, bool]], what: str
+                   ) -> tuple[torch.Tensor | None, list[Item], list, bool]:
+        """Map the slot and make the copies that cannot wait; return the slot's bytes, the copies and the
+        adapters' waits left for the background, and whether the slot still needs its memory allocated
+        (:meth:`_allocate` over the whole slot, before the background copies). Releases the slot and raises
+        CheckpointError when there is no memory for it."""
+        try:
+            sparse = total > 0 and not self._backed(slot, total)
+            # a slot mapped here (not ahead, by the leaser) is not populated: the copies fault its page tables
+            # in, mostly in the background. One only sized (leased without waiting for the agent to fault it
+            # in) gets its memory allocated before each copy writes: a full /dev/shm is an error, never SIGBUS
+            buf = self._map(slot, total, populate=False)
+            if sparse and any(not src.is_cpu for src, *_ in copies):
+                # another device's adapter may write the slot (a DMA) or pin it: all of it is allocated now
+                self._allocate(slot, [(0, total)])
+                sparse = False
+            now, later, waits = self._stage(buf, copies)
+            if sparse and now:
+                self._allocate(slot, [(off, n) for _, off, n in now])
+            self._copy(buf, now)
+        except BaseException as e:
+            with contextlib.suppress(AgentError, AgentUnreachableError):
+                self._client.call("release", slot=slot)
+            if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.ENOMEM):
+                raise CheckpointError(f"{what}: no host memory for the {total}-byte staging slot ({e}); "
+                                      "free host memory or lower keep_memory, then save again") from e
+            raise
+        return buf, later, waits, sparse
+
+    @staticmethod
+    def _backed(slot: str, nbytes: int) -> bool:
+        """Whether every byte of the slot has memory (the agent faulted it in, or an earlier save wrote it)."""
+        st = os.stat(slot)
+        return st.st_size == nbytes and st.st_blocks * 512 >= nbytes
+
+    @staticmethod
+    def _allocate(slot: str, spans: list[tuple[int, int]]) -> None:
+        """Allocate the slot's memory under each ``(offset, bytes)`` span (whole pages, neighbours merged).
+        Raises OSError (ENOSPC) when /dev/shm has no room, where a write to an unallocated page of a full
+        tmpfs would kill the process with SIGBUS."""
+        page = mmap.PAGESIZE
+        merged: list[list[int]] = []
+        for off, n in sorted(spans):
+            if n <= 0:
+                continue
+            lo, hi = off - off % page, off + n
+            if merged and lo <= merged[-1][1] + page:
+                merged[-1][1] = max(merged[-1][1], hi)
+            else:
+                merged.append([lo, hi])
+        if not merged:
+            return
+        fd = os.open(slot, os.O_RDWR)
+        try:
+            for lo, hi in merged:
+                os.posix_fallocate(fd, lo, hi - lo)
+        finally:
+            os.close(fd)
+
+    def _lease_now(self, nbytes: int) -> tuple[str | None, str | None]:
+        """A slot for a save of ``nbytes`` bytes, without waiting for one: ``(slot, None)``, or ``(None, why)``
+        when the agent has none (its full policy said skip, or its wait ran out).
+
+        The slot leased ahead when it is ready; else one the agent only sizes, whose memory the save's own
+        copies fault in (in the background, for tensors that may be copied there). Only when the agent has
+        no free slot at all does the save wait for the one being leased ahead. Raises AgentError when the
+        agent refuses (its memory is full)."""
+        slot = self._take_prelease(nbytes, wait=False)
+        if slot is not None:
+            return slot, None
+        ahead = self._prelease_fut is not None
+        r = self._client.call("begin", job=self.job, rank=self.rank, world=self.world, nbytes=nbytes,
+                              fault=False, **({"wait": False} if ahead else {}))
+        self._collect(r)
+        if r.get("slot"):
+            return r["slot"], None
+        if ahead:
+            # no free slot: the one being leased ahead is the next to free up
+            slot = self._take_prelease(nbytes, wait=True)
+            if slot is not None:
+                return slot, None
+            r = self._client.call("begin", job=self.job, rank=self.rank, world=self.world, nbytes=nbytes,
+                                  fault=False)
+            self._collect(r)
+            if r.get("slot"):
+                return r["slot"], None
+        return None, r.get("skip") or "the agent leased no slot"
 
     def _stage(self, buf: torch.Tensor | None, copies: list[tuple[torch.Tensor, int, int, bool]]
                ) -> tuple[list[Item], list[Item], list]:
@@ -533,6 +626,9 @@ class Checkpointer:
         """Lease the next save's slot now and map it, off the training thread, so ``save`` neither waits for
         the agent nor faults the mapping's pages in (the agent faults the slot's memory in when it leases it,
         and the rest of the ring in the background after the first lease)."""
+        with self._lock:
+            if self._next_slot is not None:
+                return  # leased ahead by an earlier task that a save did not wait for: the next save takes it
         try:
             # a connection of its own: waiting here for a slot to free up never holds up a commit
             if self._lease_client is None:
@@ -584,10 +680,14 @@ class Checkpointer:
         if self._prelease_fut is None and not self._closed:
             self._prelease_fut = self._leaser.submit(self._prelease, nbytes)
 
-    def _take_prelease(self, nbytes: int) -> str | None:
+    def _take_prelease(self, nbytes: int, wait: bool = True) -> str | None:
+        """The slot leased ahead, resized to ``nbytes`` when that is close, or None. ``wait``: for the lease
+        still under way (done in steady state); without it, a lease not done yet is left for a later save."""
         pending = self._prelease_fut
         if pending is not None:
-            pending.result()  # done in steady state: the ring holds a free slot for it
+            if not wait and not pending.done():
+                return None
+            pending.result()
             self._prelease_fut = None
         with self._lock:
             nxt, self._next_slot = self._next_slot, None

@@ -4,7 +4,10 @@ never writes stale data or puts bytes where the layout does not say they are."""
 
 from __future__ import annotations
 
+import errno
 import math
+import os
+import threading
 
 import pytest
 import torch
@@ -12,7 +15,11 @@ import torch
 import ckpt
 from ckpt._flatten import StateError, flatten_state
 from ckpt._shard_plan import ShardPlanner
+from procs import agent_call
+from tiers import keys
+from tiers.errors import TierFullError
 from tiers.manifest import VALUES_NAME, decode_value, parse_spilled
+from tiers.memory import MemoryTier
 
 
 def _names(state: dict) -> dict[str, object]:
@@ -229,9 +236,9 @@ def test_a_checkpointer_restores_each_steps_own_values_and_tensors_after_changes
 def test_populating_a_mapping_ahead_never_changes_the_bytes_of_the_slot(tmp_path):
     """The leaser maps the ring's other slots ahead, and those hold retained steps: faulting their page tables
     in must not write them."""
-    from ckpt.checkpointer import _populate
     import mmap
-    import os
+
+    from ckpt.checkpointer import _populate
 
     path = tmp_path / "slot"
     data = os.urandom(3 << 20)
@@ -244,3 +251,124 @@ def test_populating_a_mapping_ahead_never_changes_the_bytes_of_the_slot(tmp_path
     del buf
     mm.close()
     assert path.read_bytes() == data
+
+
+def _model_state(seed: int = 0) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 8))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=g))
+    optim = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model(torch.randn(4, 64, generator=g)).sum().backward()
+    optim.step()
+    return {"model": model, "optim": optim, "pos": {"i": seed}}
+
+
+def _gated_lease(ck, gate: threading.Event) -> None:
+    """Hold the Checkpointer's leases ahead until ``gate`` is set: a slot the agent is still faulting in."""
+    lease = ck._prelease
+
+    def held(nbytes: int) -> None:
+        gate.wait(20)
+        lease(nbytes)
+
+    ck._prelease = held
+
+
+def _restored(shm: str, job: str, step: int, seed: int) -> dict:
+    state = _model_state(seed)
+    with ckpt.Checkpointer(job, shm=shm) as ck:
+        assert ck.restore(state, step=step) == step
+    return state
+
+
+def _equal(a: dict, b: dict) -> bool:
+    sa, sb = a["model"].state_dict(), b["model"].state_dict()
+    oa, ob = a["optim"].state_dict()["state"], b["optim"].state_dict()["state"]
+    return all(torch.equal(sa[k], sb[k]) for k in sa) and all(
+        torch.equal(oa[i][k], ob[i][k]) for i in oa for k in oa[i]) and a["pos"] == b["pos"]
+
+
+def test_a_save_takes_a_slot_the_agent_only_sized_rather_than_wait_for_the_one_being_faulted_in(tmp_path,
+                                                                                                 monkeypatch):
+    shm = str(tmp_path / "shm")
+    state = _model_state(1)
+    allocated: list[tuple[str, list]] = []
+    allocate = ckpt.Checkpointer._allocate
+    monkeypatch.setattr(ckpt.Checkpointer, "_allocate",
+                        staticmethod(lambda slot, spans: (allocated.append((slot, spans)), allocate(slot, spans))))
+    gate = threading.Event()
+    with ckpt.Checkpointer("nowait", shm=shm) as ck:
+        _gated_lease(ck, gate)
+        assert ck.restore(state) is None  # a fresh start leases the first save's slot ahead: held at the gate
+        fut = ck.save(0, state)
+        returned_first = not gate.is_set()
+        gate.set()
+        fut.wait()
+        assert returned_first  # the save did not wait for the slot leased ahead
+        shard0 = MemoryTier(shm).path(keys.shard_key("nowait", 0, 0))
+        nbytes = os.path.getsize(shard0)
+        # the slot was leased only sized: the background copy allocated all of it before writing
+        assert [spans for slot, spans in allocated if os.path.samefile(slot, shard0)] == [[(0, nbytes)]]
+        assert os.stat(shard0).st_blocks * 512 >= nbytes
+        # the slot leased ahead was not lost: the next save stages into it
+        ck._prelease_fut.result(timeout=120)
+        ahead, n = ck._next_slot
+        assert n == nbytes
+        _train(state)
+        ck.save(1, state).wait()
+        assert os.path.samefile(MemoryTier(shm).path(keys.shard_key("nowait", 1, 0)), ahead)
+        ck._prelease_fut.result(timeout=120)
+        assert agent_call(shm, "status")["leased_slots"] == 1  # only the next save's: no lease left behind
+        folder = MemoryTier(shm).slot_dir("nowait", 0)
+        assert len(os.listdir(folder)) <= ck.settings.keep_memory + 2
+        saved = {k: v for k, v in state.items()}
+        ck.wait()
+    assert _equal(_restored(shm, "nowait", 1, 9), saved)
+
+
+def _train(state: dict) -> None:
+    state["model"](torch.randn(4, 64)).sum().backward()
+    state["optim"].step()
+    state["optim"].zero_grad()
+
+
+@pytest.mark.parametrize("overlap", [True, False], ids=["copied-in-background", "copied-before-return"])
+def test_no_memory_for_a_sized_only_slot_is_a_checkpoint_error_and_the_slot_goes_back(tmp_path, monkeypatch,
+                                                                                      overlap):
+    shm = str(tmp_path / "shm")
+    state = _model_state(2)
+
+    def full(slot: str, spans: list) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    with ckpt.Checkpointer("full", shm=shm, overlap=overlap) as ck:
+        with monkeypatch.context() as m:
+            m.setattr(ckpt.Checkpointer, "_allocate", staticmethod(full))
+            with pytest.raises(ckpt.CheckpointError, match="no host memory|staging failed"):
+                ck.save(0, state)  # a fresh job: no slot leased ahead, one only sized
+                ck.wait()
+        assert not ck.skipped
+        assert agent_call(shm, "status")["leased_slots"] == 0  # the slot went back
+        ck.save(1, state).wait()
+    assert _equal(_restored(shm, "full", 1, 8), state)
+
+
+def test_an_agent_sizes_a_slot_without_faulting_it_in_when_asked_and_refuses_one_it_has_no_room_for(tmp_path,
+                                                                                                   monkeypatch):
+    tier = MemoryTier(str(tmp_path / "shm"))
+    path = tier.new_slot_path("j", 0, 0)
+    assert tier.prepare_slot(path, 8 << 20, fault=False) is False
+    st = os.stat(path)
+    assert st.st_size == 8 << 20 and st.st_blocks * 512 < 8 << 20
+    assert tier.prepare_slot(path, 8 << 20) is True  # faulted in when asked
+    assert os.stat(path).st_blocks * 512 >= 8 << 20
+    assert tier.prepare_slot(path, 8 << 20, fault=False) is True  # backed already: nothing to do
+
+    class Vfs:
+        f_bavail, f_frsize = 1, 4096
+
+    monkeypatch.setattr(os, "fstatvfs", lambda fd: Vfs())
+    with pytest.raises(TierFullError):
+        tier.prepare_slot(tier.new_slot_path("j", 0, 1), 8 << 20, fault=False)
