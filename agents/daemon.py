@@ -2,8 +2,9 @@
 
 Life of a step, as the agent sees it::
 
-    begin   (each rank)  lease a pre-faulted staging slot in the memory folder; size and fault in the rest
-                         of the rank's ring of slots in the background (the first time, and when the size changes)
+    begin   (each rank)  lease a pre-faulted staging slot in the memory folder (or, for a trainer that cannot
+                         wait, one only sized); size and fault in the rest of the rank's ring of slots in the
+                         background (the first time, and when the size changes)
     commit  (each rank)  the slot becomes the rank's shard (a hard link); checksum it
     ── all ``world`` ranks committed ──
     manifest written to the memory tier (the step is now complete in memory)
@@ -370,7 +371,9 @@ class Agent:
                 conn.leases.add(slot)
                 self._lease_conn[slot] = conn
                 try:
-                    await asyncio.to_thread(self.memory.prepare_slot, slot, nbytes)
+                    # a trainer that cannot wait (its save is blocked meanwhile) takes the slot only sized and
+                    # faults it in while it copies: ``fault`` False
+                    await asyncio.to_thread(self.memory.prepare_slot, slot, nbytes, bool(req.get("fault", True)))
                 except BaseException:
                     self._leases.discard(slot)
                     conn.leases.discard(slot)
@@ -611,6 +614,7 @@ class Agent:
             "draining": {f"{j}/step-{s}": sorted(t) for (j, s), t in self.book.draining.items()},
             "queued": self.drain.queued(),
             "inflight_bytes": self._budget.used,
+            "leased_slots": len(self._leases),
             "errors": self.book.error_counts(),
             "stats": self.stats, "settings": self.settings.to_dict(),
             "node": self.me, "peers": self.replicator.peer_status() if self.replicator else [],

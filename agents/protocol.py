@@ -9,7 +9,8 @@ staging leases when its connection closes)::
     → {"op": "begin", "job": J, "rank": R, "world": W, "nbytes": N, "wait": true}
     ← {"ok": true, "slot": "/dev/shm/.../slot-0", "ring": [...]}        or {"ok": true, "skip": "why"}
       (``ring``: the rank's slots already sized to N and faulted in, for the trainer to map ahead)
-      (with "wait": false the agent answers at once, skipping, when no slot is free)
+      (with "wait": false the agent answers at once, skipping, when no slot is free; with "fault": false it
+      only sizes the slot, checking there is room, and the trainer faults it in while it copies)
     → {"op": "commit", "job": J, "step": S, "rank": R, "world": W, "slot": P,
        "nbytes": N, "entries": [...], "save_index": I, "metadata": {...}, "every_tier": false}
       (``every_tier``: a forced save, written to every lower tier whatever its save_index)

@@ -296,21 +296,18 @@ class DcpWriter(StorageWriter):
             pass  # the agent takes a dead trainer's leases back
 
     def _lease(self, nbytes: int) -> str:
-        ck = self.ck
-        slot = ck._take_prelease(nbytes)
-        if slot is not None:
-            return slot
+        """A slot for ``nbytes`` bytes without waiting for one (``Checkpointer._lease_now``: it may be only
+        sized, and faulted in by the copies). Raises CheckpointError when the agent has none."""
         from .checkpointer import CheckpointError
 
         try:
-            resp = ck._client.call("begin", job=self.job, rank=ck.rank, world=ck.world, nbytes=nbytes)
+            slot, why = self.ck._lease_now(nbytes)
         except AgentError as e:
             raise CheckpointError(f"the node agent could not take a save of {nbytes} bytes ({e.kind}: {e}); free "
                                   "host memory or lower keep_memory, then save again") from e
-        ck._collect(resp)
-        if resp.get("skip"):
-            raise CheckpointError(f"the node agent could not take the save: {resp['skip']}")
-        return resp["slot"]
+        if slot is None:
+            raise CheckpointError(f"the node agent could not take the save: {why}")
+        return slot
 
     def _wait_copies(self) -> None:
         with self._lock:
@@ -389,12 +386,11 @@ class DcpWriter(StorageWriter):
         slot = self._lease(total)
         st = _Staged(slot, None, total, room_at)
         fut = SaveFuture(-1, _ck=None)
+        copies = [(local, o, n, ck.overlap and n > 0 and storage_key(local) in guarded)
+                  for _, local, o, n in tensors]
+        buf, later, waits, sparse = ck._stage_now(slot, total, copies, "the save")  # releases the slot on failure
+        st.buf = buf
         try:
-            st.buf = buf = ck._map(slot, total)
-            copies = [(local, o, n, ck.overlap and n > 0 and storage_key(local) in guarded)
-                      for _, local, o, n in tensors]
-            now, later, waits = ck._stage(buf, copies)
-            ck._copy(buf, now)
             views: dict[int, torch.Tensor] = {}
             for t, local, o, n in tensors:
                 v = buf[o:o + n].view(local.dtype).view(local.shape) if n else torch.empty(local.shape,
@@ -414,6 +410,8 @@ class DcpWriter(StorageWriter):
 
         def finish() -> None:
             try:
+                if sparse:
+                    ck._allocate(slot, [(0, total)])  # before any copy (and DCP's values in its room) writes
                 ck._copy_parallel(buf, later)
                 for done in waits:
                     done()
@@ -499,6 +497,8 @@ class DcpWriter(StorageWriter):
             total = sum(_aligned(c.nbytes) for c in chunks) + need
             slot = self._lease(total)
             try:
+                if total and not ck._backed(slot, total):  # leased only sized: its memory first (DCP's upload thread)
+                    ck._allocate(slot, [(0, total)])
                 buf = ck._map(slot, total)
                 room = 0
                 chunks, items = [], []

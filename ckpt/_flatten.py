@@ -22,6 +22,7 @@ changes (so their copy may overlap forward/backward) is decided by
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -65,6 +66,26 @@ def _join(prefix: str, k: Any) -> str:
             _joined.clear()
         _joined[key] = got
     return got
+
+
+#: prefix -> (the keys of the dict last walked there, their names), for dicts whose keys are all ``str``: a
+#: state dict has the same keys at every save, so one comparison of the key tuple names every entry (a key
+#: tuple of str can equal no tuple holding an int or bool key, whose segments differ)
+_dict_names: dict[str, tuple[tuple, tuple[str, ...]]] = {}
+
+
+def _names_of(prefix: str, d: dict) -> tuple[tuple, tuple[str, ...]]:
+    """``(keys, names)`` of the entries of ``d`` walked under ``prefix``; raises StateError for a bad key."""
+    keys = tuple(d)
+    got = _dict_names.get(prefix)
+    if got is not None and got[0] == keys:
+        return got
+    names = tuple(_join(prefix, k) for k in keys)
+    if all(type(k) is str for k in keys):
+        if len(_dict_names) >= 1 << 14:
+            _dict_names.clear()
+        _dict_names[prefix] = (keys, names)
+    return keys, names
 
 
 @dataclass(slots=True)
@@ -226,16 +247,39 @@ def flatten_state(state: dict, *, for_restore: bool = False) -> Flat:
     return flat
 
 
+#: exact types walked inline in a dict's loop (a subclass takes the general path of :func:`_walk`)
+_TENSOR_TYPES = frozenset({torch.Tensor, nn.Parameter})
+_SCALAR_TYPES = frozenset({int, str, bool, type(None)})
+
+
+def _non_finite(name: str, v: float) -> StateError:
+    return StateError(f"{name} is {v}: non-finite floats cannot be saved as JSON; store a tensor instead")
+
+
 def _walk(v: Any, name: str, flat: Flat, parent: Any, key: Any, fixups: list, entry: Callable) -> None:
     if isinstance(v, torch.Tensor):
-        flat.leaves.append(Leaf(name, tensor=v, parent=parent, key=key))
+        flat.leaves.append(Leaf(name, v, None, parent, key))
     elif isinstance(v, dict):
         if not v:
-            flat.leaves.append(Leaf(name, value={}, parent=parent, key=key))
-        for k, x in v.items():
-            _walk(x, _join(name, k), flat, v, k, fixups, entry)
+            flat.leaves.append(Leaf(name, None, {}, parent, key))
+            return
+        keys, names = _names_of(name, v)
+        leaves = flat.leaves
+        # tensors and JSON scalars (most of a state's entries) without a call each
+        for nm, k, x in zip(names, keys, v.values()):
+            tx = type(x)
+            if tx in _TENSOR_TYPES:
+                leaves.append(Leaf(nm, x, None, v, k))
+            elif tx is float:
+                if x - x != 0.0:  # inf or nan
+                    raise _non_finite(nm, x)
+                leaves.append(Leaf(nm, None, x, v, k))
+            elif tx in _SCALAR_TYPES:
+                leaves.append(Leaf(nm, None, x, v, k))
+            else:
+                _walk(x, nm, flat, v, k, fixups, entry)
     elif isinstance(v, (list, tuple)) and _json_only(v):
-        flat.leaves.append(Leaf(name, value=v, parent=parent, key=key))
+        flat.leaves.append(Leaf(name, None, v, parent, key))
     elif isinstance(v, (list, tuple)):
         # a tuple is immutable: its elements are restored into a list, turned back into a tuple afterwards
         items = list(v) if isinstance(v, tuple) else v
@@ -244,11 +288,11 @@ def _walk(v: Any, name: str, flat: Flat, parent: Any, key: Any, fixups: list, en
         if isinstance(v, tuple) and parent is not None and not isinstance(parent, tuple):
             fixups.append(lambda p=parent, k=key, items=items: p.__setitem__(k, tuple(items)))
     elif isinstance(v, (bytes, bytearray)):
-        flat.leaves.append(Leaf(name, value=bytes(v), parent=parent, key=key))
+        flat.leaves.append(Leaf(name, None, bytes(v), parent, key))
     elif isinstance(v, JSON_SCALARS):
-        if isinstance(v, float) and v != v or v in (float("inf"), float("-inf")):
-            raise StateError(f"{name} is {v}: non-finite floats cannot be saved as JSON; store a tensor instead")
-        flat.leaves.append(Leaf(name, value=v, parent=parent, key=key))
+        if isinstance(v, float) and not math.isfinite(v):
+            raise _non_finite(name, v)
+        flat.leaves.append(Leaf(name, None, v, parent, key))
     elif isinstance(v, (nn.Module, torch.optim.Optimizer)) or _is_stateful(v):
         entry(v, name, parent, key)  # nested: the same as at the top level
     else:

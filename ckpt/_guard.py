@@ -106,6 +106,10 @@ def guarded_storages(optims: Iterable[torch.optim.Optimizer] | None = None) -> s
     return out
 
 
+#: attributes every ``torch.optim.Optimizer`` has, which hold parameters, their state and hyperparameters
+_OPTIMIZER_OWN = frozenset({"state", "param_groups", "defaults"})
+
+
 def find_optimizers(obj: Any, depth: int = 2) -> list[torch.optim.Optimizer]:
     """Optimizers held by ``obj``: itself, or (for a ``Stateful`` container such as torchtitan's
     ``OptimizersContainer`` or an lr scheduler) its attributes and the lists, tuples and dicts in them, up to
@@ -127,7 +131,10 @@ def find_optimizers(obj: Any, depth: int = 2) -> list[torch.optim.Optimizer]:
                 visit(y, d - 1)
         elif isinstance(x, (torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler)) or (
                 callable(getattr(x, "state_dict", None)) and not isinstance(x, (torch.Tensor, torch.nn.Module))):
-            for y in getattr(x, "__dict__", {}).values():
+            optimizer = isinstance(x, torch.optim.Optimizer)
+            for attr, y in getattr(x, "__dict__", {}).items():
+                if optimizer and attr in _OPTIMIZER_OWN:
+                    continue  # its per-parameter state and groups: thousands of entries, never an optimizer
                 if isinstance(y, (torch.optim.Optimizer, list, tuple, dict)) or callable(getattr(y, "state_dict", None)):
                     visit(y, d - 1)
 

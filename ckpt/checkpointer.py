@@ -9,14 +9,26 @@ Call order::
     ck.close()                         # waits, raises any background error, disconnects
 
 ``save`` copies the state into a pre-faulted shared-memory slot of the node
-agent. Tensors that only an optimizer step may change (parameters and
-optimizer state) are copied in the background while the next forward/backward
-runs; an optimizer step pre-hook waits for that copy before any parameter
-changes (one global hook, :mod:`ckpt._guard`, for every optimizer of the
-process, bare or inside a ``Stateful`` container). Everything else (buffers,
-plain tensors, other Stateful state, bytes) is copied before ``save``
-returns. Once the copy is done the agent is told, and it does the rest
-(checksum, manifest, disk, S3) in its own process.
+agent, leased and mapped ahead, off the training thread, after each save
+(and at ``restore``). ``save`` never waits for that slot: when it is not
+ready yet (saves back to back at the start of a job, faster than the agent
+faults a slot in), it takes one the agent only sizes, and the save's own
+copies allocate and fault in its memory, in the background for the tensors
+copied there; the copy takes longer once, ``save`` does not block longer.
+Only when the agent has no free slot at all does ``save`` wait, or skip,
+as its full policy says (a state with tensors on an accelerator has its
+slot's memory allocated before ``save`` returns: its adapter may pin it).
+
+Tensors that only an optimizer step may change (parameters and optimizer
+state) are copied in the background while the next forward/backward runs;
+an optimizer step pre-hook waits for that copy before any parameter changes
+(one global hook, :mod:`ckpt._guard`, for every optimizer of the process,
+bare or inside a ``Stateful`` container). Everything else of the caller's
+(buffers, plain tensors) is copied before ``save`` returns, and the JSON
+values and bytes are captured then (copied later from private buffers).
+Once the copy is done the agent is told, and it does the rest (checksum,
+manifest, disk, S3) in its own process. Where each leaf goes in the slot is
+worked out again only when the state's shape changed (:mod:`ckpt._shard_plan`).
 
 Each device type's tensors reach the slot through that type's adapter
 (:mod:`ckpt._devices`): CPU tensors on this module's copier threads, CUDA
@@ -28,7 +40,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import contextlib
-import json
+import errno
 import logging
 import mmap
 import os
@@ -55,19 +67,16 @@ from tiers import keys
 from tiers.base import Tier
 from tiers.errors import ManifestError, TierError
 from tiers.layout import Layout
-from tiers.manifest import BYTES_DTYPE, SPILL_BYTES, VALUES_NAME, TensorChunk
 
 from ._devices import DeviceAdapter, Item, make_adapter
 from . import _guard
-from ._flatten import Flat, encode_value, flatten_state
+from ._flatten import flatten_state
 from ._load import ShardLoader, StateMismatchError, kept
-from ._replicas import OwnerBalance, replicas_of
-from ._tensors import dtype_name as _dtype_name, local_chunk
+from ._shard_plan import ShardPlanner
 
 __all__ = ["Checkpointer", "SaveFuture", "RestoreReport", "CheckpointError", "RestoreError", "StateMismatchError"]
 
 log = logging.getLogger("tierckpt")
-_ALIGN = 64
 
 
 class CheckpointError(RuntimeError):
@@ -147,6 +156,34 @@ class RestoreReport:
 
 #: a leased slot whose size differs from the save's by at most this many bytes is resized to fit
 _RESIZE_SLACK = 1 << 20
+#: madvise(2) advice that faults a range's page tables in, writable, without touching its bytes (Linux 5.14)
+_MADV_POPULATE_WRITE = 23
+_madvise: Any = None
+
+
+def _populate(ptr: int, nbytes: int) -> None:
+    """Fault the page tables of a mapping of memory the agent has allocated in, with the GIL released (a
+    ctypes call), so the copies into it take no page faults. Where the kernel cannot (before Linux 5.14) the
+    copies fault them in instead: slower, never wrong. Never writes a byte: other slots of the ring that are
+    mapped ahead hold retained steps."""
+    global _madvise
+    if _madvise is None:
+        try:
+            import ctypes
+
+            fn = ctypes.CDLL(None, use_errno=True).madvise
+            fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+            fn.restype = ctypes.c_int
+            _madvise = fn
+        except (OSError, AttributeError) as e:  # no libc to ask: the copies fault the pages in
+            log.debug("cannot populate staging slots' mappings: %s", e)
+            _madvise = False
+    # in pieces: populating holds the process's memory-map lock, which the training thread's allocator needs
+    # (mmap, munmap, brk): a piece holds it a few milliseconds, the whole GiB a quarter of a second
+    step = 16 << 20
+    for off in range(0, nbytes, step) if _madvise else ():
+        if _madvise(ptr + off, min(step, nbytes - off), _MADV_POPULATE_WRITE):
+            return  # an older kernel: the copies fault the pages in
 
 
 class Checkpointer:
@@ -225,8 +262,9 @@ class Checkpointer:
         self._map_lock = threading.Lock()
         self._devices: dict[str, DeviceAdapter] = {}
         self._inflight: SaveFuture | None = None
-        #: the last layout this rank saved, and the digest of the last one the agent accepted
-        self._last_layout: Layout | None = None
+        #: where each leaf goes in the shard, worked out again only when the state's shape changes
+        self._planner = ShardPlanner()
+        #: the digest of the last layout the agent accepted
         self._layout_sent: str | None = None
         self._errors: list[str] = []
         self._hook: Any = None
@@ -358,9 +396,10 @@ class Checkpointer:
             except BufferError:
                 pass
 
-    def _map(self, slot: str, nbytes: int) -> torch.Tensor | None:
+    def _map(self, slot: str, nbytes: int, populate: bool = True) -> torch.Tensor | None:
         """The slot's bytes, mapped once per slot file (a slot removed and made again is a new file: a mapping of
-        the old one would stage into memory nobody reads, so it is checked by inode)."""
+        the old one would stage into memory nobody reads, so it is checked by inode). ``populate``: fault the
+        page tables in now, without the GIL (:func:`_populate`), else the copies fault them."""
         ino = os.stat(slot).st_ino if nbytes else 0
 
         def cached() -> tuple | None:
@@ -374,11 +413,13 @@ class Checkpointer:
         mm = buf = None
         if nbytes:
             # mapped outside the lock: faulting the page tables in takes a while, and the leaser thread maps
-            # the ring's other slots while a save maps its own
+            # the ring's other slots while a save maps its own. Not with MAP_POPULATE: Python's mmap holds the
+            # GIL through the call, which froze the training thread for 0.5 s per GiB while the leaser mapped
             with open(slot, "r+b") as f:
-                flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
-                mm = mmap.mmap(f.fileno(), nbytes, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+                mm = mmap.mmap(f.fileno(), nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
             buf = torch.frombuffer(mm, dtype=torch.uint8)
+            if populate:
+                _populate(buf.data_ptr(), nbytes)
             # pinned (CUDA) here, on the leaser thread for the ring's slots, not by the first save to use the
             # slot: registering a slot of several GiB takes about a second
             for ad in list(self._devices.values()):
@@ -425,34 +466,27 @@ class Checkpointer:
             self._raise_pending()
         if self.overlap:
             self._install_hook()  # before flattening: a container's state_dict may take an optimizer step
-        flat = flatten_state(state)
-        layout, values, copies, total, durable, unique = self._layout(flat)
-        slot = self._take_prelease(total)
-        if slot is None:
-            try:
-                resp = self._client.call("begin", job=self.job, rank=self.rank, world=self.world, nbytes=total)
-            except AgentError as e:  # the agent's memory is full, or it refused the save: the user's error type
-                raise CheckpointError(f"step {step}: the node agent could not take the save ({e.kind}: {e}); "
-                                      "free host memory or lower keep_memory, then save again") from e
-            self._collect(resp)
-            if resp.get("skip"):
-                log.warning("step %d not checkpointed: %s", step, resp["skip"])
-                self.skipped.append((step, resp["skip"]))
-                return None
-            slot = resp["slot"]
-        fut = SaveFuture(step, _ck=self)
+        plan = self._planner.plan(flatten_state(state), self.overlap)
+        layout, values, copies, total = plan.layout, plan.values, plan.copies, plan.total
+        durable, unique = plan.durable, plan.unique
         try:
-            buf = self._map(slot, total)
-            now, later, waits = self._stage(buf, copies)
-            self._copy(buf, now)
-        except BaseException:
-            self._client.call("release", slot=slot)
-            raise
+            slot, why = self._lease_now(total)
+        except AgentError as e:  # the agent's memory is full, or it refused the save: the user's error type
+            raise CheckpointError(f"step {step}: the node agent could not take the save ({e.kind}: {e}); "
+                                  "free host memory or lower keep_memory, then save again") from e
+        if slot is None:
+            log.warning("step %d not checkpointed: %s", step, why)
+            self.skipped.append((step, why))
+            return None
+        fut = SaveFuture(step, _ck=self)
+        buf, later, waits, sparse = self._stage_now(slot, total, copies, f"step {step}")
         meta = {**self.metadata, **(metadata or {})}
         self._inflight = fut
 
         def finish() -> None:
             try:
+                if sparse:
+                    self._allocate(slot, [(0, total)])
                 self._copy_parallel(buf, later)
                 for done in waits:
                     done()
@@ -480,6 +514,94 @@ class Checkpointer:
         else:
             finish()
         return fut
+
+    def _stage_now(self, slot: str, total: int, copies: list[tuple[torch.Tensor, int, int, bool]], what: str
+                   ) -> tuple[torch.Tensor | None, list[Item], list, bool]:
+        """Map the slot and make the copies that cannot wait; return the slot's bytes, the copies and the
+        adapters' waits left for the background, and whether the slot still needs its memory allocated
+        (:meth:`_allocate` over the whole slot, before the background copies). Releases the slot and raises
+        CheckpointError when there is no memory for it."""
+        try:
+            sparse = total > 0 and not self._backed(slot, total)
+            # a slot mapped here (not ahead, by the leaser) is not populated: the copies fault its page tables
+            # in, mostly in the background. One only sized (leased without waiting for the agent to fault it
+            # in) gets its memory allocated before each copy writes: a full /dev/shm is an error, never SIGBUS
+            buf = self._map(slot, total, populate=False)
+            if sparse and any(not src.is_cpu for src, *_ in copies):
+                # another device's adapter may write the slot (a DMA) or pin it: all of it is allocated now
+                self._allocate(slot, [(0, total)])
+                sparse = False
+            now, later, waits = self._stage(buf, copies)
+            if sparse and now:
+                self._allocate(slot, [(off, n) for _, off, n in now])
+            self._copy(buf, now)
+        except BaseException as e:
+            with contextlib.suppress(AgentError, AgentUnreachableError):
+                self._client.call("release", slot=slot)
+            if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.ENOMEM):
+                raise CheckpointError(f"{what}: no host memory for the {total}-byte staging slot ({e}); "
+                                      "free host memory or lower keep_memory, then save again") from e
+            raise
+        return buf, later, waits, sparse
+
+    @staticmethod
+    def _backed(slot: str, nbytes: int) -> bool:
+        """Whether every byte of the slot has memory (the agent faulted it in, or an earlier save wrote it)."""
+        st = os.stat(slot)
+        return st.st_size == nbytes and st.st_blocks * 512 >= nbytes
+
+    @staticmethod
+    def _allocate(slot: str, spans: list[tuple[int, int]]) -> None:
+        """Allocate the slot's memory under each ``(offset, bytes)`` span (whole pages, neighbours merged).
+        Raises OSError (ENOSPC) when /dev/shm has no room, where a write to an unallocated page of a full
+        tmpfs would kill the process with SIGBUS."""
+        page = mmap.PAGESIZE
+        merged: list[list[int]] = []
+        for off, n in sorted(spans):
+            if n <= 0:
+                continue
+            lo, hi = off - off % page, off + n
+            if merged and lo <= merged[-1][1] + page:
+                merged[-1][1] = max(merged[-1][1], hi)
+            else:
+                merged.append([lo, hi])
+        if not merged:
+            return
+        fd = os.open(slot, os.O_RDWR)
+        try:
+            for lo, hi in merged:
+                os.posix_fallocate(fd, lo, hi - lo)
+        finally:
+            os.close(fd)
+
+    def _lease_now(self, nbytes: int) -> tuple[str | None, str | None]:
+        """A slot for a save of ``nbytes`` bytes, without waiting for one: ``(slot, None)``, or ``(None, why)``
+        when the agent has none (its full policy said skip, or its wait ran out).
+
+        The slot leased ahead when it is ready; else one the agent only sizes, whose memory the save's own
+        copies fault in (in the background, for tensors that may be copied there). Only when the agent has
+        no free slot at all does the save wait for the one being leased ahead. Raises AgentError when the
+        agent refuses (its memory is full)."""
+        slot = self._take_prelease(nbytes, wait=False)
+        if slot is not None:
+            return slot, None
+        ahead = self._prelease_fut is not None
+        r = self._client.call("begin", job=self.job, rank=self.rank, world=self.world, nbytes=nbytes,
+                              fault=False, **({"wait": False} if ahead else {}))
+        self._collect(r)
+        if r.get("slot"):
+            return r["slot"], None
+        if ahead:
+            # no free slot: the one being leased ahead is the next to free up
+            slot = self._take_prelease(nbytes, wait=True)
+            if slot is not None:
+                return slot, None
+            r = self._client.call("begin", job=self.job, rank=self.rank, world=self.world, nbytes=nbytes,
+                                  fault=False)
+            self._collect(r)
+            if r.get("slot"):
+                return r["slot"], None
+        return None, r.get("skip") or "the agent leased no slot"
 
     def _stage(self, buf: torch.Tensor | None, copies: list[tuple[torch.Tensor, int, int, bool]]
                ) -> tuple[list[Item], list[Item], list]:
@@ -514,6 +636,9 @@ class Checkpointer:
         """Lease the next save's slot now and map it, off the training thread, so ``save`` neither waits for
         the agent nor faults the mapping's pages in (the agent faults the slot's memory in when it leases it,
         and the rest of the ring in the background after the first lease)."""
+        with self._lock:
+            if self._next_slot is not None:
+                return  # leased ahead by an earlier task that a save did not wait for: the next save takes it
         try:
             # a connection of its own: waiting here for a slot to free up never holds up a commit
             if self._lease_client is None:
@@ -555,7 +680,7 @@ class Checkpointer:
         """Lease and fault in, in the background, the slot of a first save of ``state`` (a fresh start's
         restore): the first save then waits for no fresh memory when the first step outlasts the faulting."""
         try:
-            total = self._layout(flatten_state(state))[3]
+            total = self._planner.plan(flatten_state(state), self.overlap).total
         except Exception:  # the save says what is wrong with the state
             return
         self._lease_ahead(total)
@@ -565,10 +690,14 @@ class Checkpointer:
         if self._prelease_fut is None and not self._closed:
             self._prelease_fut = self._leaser.submit(self._prelease, nbytes)
 
-    def _take_prelease(self, nbytes: int) -> str | None:
+    def _take_prelease(self, nbytes: int, wait: bool = True) -> str | None:
+        """The slot leased ahead, resized to ``nbytes`` when that is close, or None. ``wait``: for the lease
+        still under way (done in steady state); without it, a lease not done yet is left for a later save."""
         pending = self._prelease_fut
         if pending is not None:
-            pending.result()  # done in steady state: the ring holds a free slot for it
+            if not wait and not pending.done():
+                return None
+            pending.result()
             self._prelease_fut = None
         with self._lock:
             nxt, self._next_slot = self._next_slot, None
@@ -627,79 +756,6 @@ class Checkpointer:
                     raise
                 send = True  # the agent restarted, or dropped it: send the entries again
         raise AssertionError("unreachable")
-
-    def _layout(self, flat: Flat) -> tuple[Layout, list[list], list[tuple[torch.Tensor, int, int, bool]], int,
-                                          int, tuple[int, list[list[int]]] | None]:
-        """The shard's layout, its JSON values, the copies that fill it, its size, its durable part and its
-        unique part. The shard is laid out in three parts (:mod:`ckpt._replicas`):
-
-        * what no other rank holds a copy of: its own chunks, bytes values, spilled JSON values -- the *unique*
-          part, ``(bytes, the holder groups of the rest)``, None when no chunk is held elsewhere;
-        * the chunks other ranks hold copies of that this rank writes to the shared tier (it owns them); with
-          the unique part, the *durable* part: what this rank writes to S3;
-        * the copies another rank writes.
-        """
-        chunks: list[TensorChunk] = []
-        values: list[list] = []
-        copies = []
-        off = 0
-        owned: list[tuple[Any, torch.Tensor, tuple, tuple, int]] = []
-        tail: list[tuple[Any, torch.Tensor, tuple, tuple, int]] = []
-        groups: dict[tuple[int, ...], None] = {}
-        balance = OwnerBalance()
-
-        def place(name: str, local: torch.Tensor, gshape: tuple, offsets: tuple, n: int, guarded: bool) -> None:
-            nonlocal off
-            off = (off + _ALIGN - 1) // _ALIGN * _ALIGN
-            chunks.append(TensorChunk(name, _dtype_name(local.dtype), gshape, offsets, tuple(local.shape), off, n))
-            copies.append((local, off, n, guarded))
-            off += n
-
-        for leaf in flat.leaves:
-            if isinstance(leaf.value, bytes):
-                # raw in the shard, copied before save returns (the caller may reuse the object)
-                n = len(leaf.value)
-                off = (off + _ALIGN - 1) // _ALIGN * _ALIGN
-                chunks.append(TensorChunk(leaf.name, BYTES_DTYPE, (n,), (0,), (n,), off, n))
-                if n:
-                    copies.append((torch.frombuffer(bytearray(leaf.value), dtype=torch.uint8), off, n, False))
-                off += n
-                continue
-            if leaf.tensor is None:
-                values.append([leaf.name, encode_value(leaf.value)])
-                continue
-            local, gshape, offsets = local_chunk(leaf.tensor)
-            if local.requires_grad:  # state-dict entries come detached; on XLA a detach is a traced op
-                local = local.detach()
-            n = local.numel() * local.element_size()
-            rep = replicas_of(leaf.tensor) if n else None
-            if rep is not None:
-                groups[rep.holders] = None
-                # another holder writes it to the shared tier, or this rank does for all of them
-                (owned if balance.deal(rep, n).mine else tail).append((leaf, local, gshape, offsets, n))
-                continue
-            place(leaf.name, local, gshape, offsets, n, leaf.guarded and self.overlap)
-        if values:
-            blob = json.dumps(values, allow_nan=False, separators=(",", ":")).encode()
-            if len(blob) > SPILL_BYTES:
-                # too many for the manifest every node receives: into this rank's shard (tiers.manifest.SPILL_BYTES)
-                off = (off + _ALIGN - 1) // _ALIGN * _ALIGN
-                n = len(blob)
-                chunks.append(TensorChunk(VALUES_NAME, BYTES_DTYPE, (n,), (0,), (n,), off, n))
-                copies.append((torch.frombuffer(bytearray(blob), dtype=torch.uint8), off, n, False))
-                off += n
-                values = []
-        unique = off
-        for leaf, local, gshape, offsets, n in owned:
-            place(leaf.name, local, gshape, offsets, n, leaf.guarded and self.overlap)
-        durable = off
-        for leaf, local, gshape, offsets, n in tail:
-            place(leaf.name, local, gshape, offsets, n, leaf.guarded and self.overlap)
-        layout = Layout(tuple(chunks))
-        if layout == self._last_layout:
-            layout = self._last_layout  # keeps its digest: computed once while the layout does not change
-        self._last_layout = layout
-        return layout, values, copies, off, durable, ((unique, [list(g) for g in groups]) if groups else None)
 
     # ------------------------------------------------------------------ wait / close
     def _agent_wait(self, step: int | None, timeout: float | None) -> None:

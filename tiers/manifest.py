@@ -235,7 +235,8 @@ SPILL_BYTES = 4096
 
 
 def parse_spilled(data: bytes | memoryview, where: str = "values") -> list[JsonEntry]:
-    """The JSON values a :data:`VALUES_NAME` chunk holds (``[[name, value], ...]``, distinct names).
+    """The JSON values a :data:`VALUES_NAME` chunk holds (``[[name, value], ...]``, distinct names; the JSON
+    may be followed by spaces: room the writer left for the values to grow into).
 
     Raises ManifestError when the bytes are not that.
     """

@@ -56,15 +56,28 @@ class MemoryTier(FolderTier):
         except FileNotFoundError:
             return False
 
-    def prepare_slot(self, path: str, size: int) -> None:
-        """Size a slot to ``size`` bytes and fault its pages in now, not during a save."""
+    def prepare_slot(self, path: str, size: int, fault: bool = True) -> bool:
+        """Size a slot to ``size`` bytes and, with ``fault``, fault its pages in now, not during a save; return
+        whether every page is backed. Without ``fault`` the slot is only sized (and checked against the
+        folder's free room): whoever writes it faults the pages in, and must allocate them first
+        (``posix_fallocate``) to get ENOSPC rather than SIGBUS when memory runs out.
+
+        Raises TierFullError when the folder has no room for the slot."""
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
         try:
             st = os.fstat(fd)
             if st.st_size == size and st.st_blocks * 512 >= size:
-                return  # already sized and backed: a reused slot costs nothing here
+                return True  # already sized and backed: a reused slot costs nothing here
+            if not fault:
+                vfs = os.fstatvfs(fd)
+                missing = size - min(st.st_blocks * 512, size)
+                if missing > vfs.f_bavail * vfs.f_frsize:
+                    raise TierFullError(errno.ENOSPC, f"no room for a {size}-byte staging slot in {self.root}: "
+                                        "enlarge /dev/shm or lower the memory retention (keep)")
             if st.st_size != size:
                 os.ftruncate(fd, size)
+            if not fault:
+                return not size
             if size:
                 try:
                     os.posix_fallocate(fd, 0, size)
@@ -77,6 +90,7 @@ class MemoryTier(FolderTier):
                             "enlarge /dev/shm or lower the memory retention (keep)",
                         ) from e
                     raise
+            return True
         finally:
             os.close(fd)
 
