@@ -265,15 +265,19 @@ def _model_state(seed: int = 0) -> dict:
     return {"model": model, "optim": optim, "pos": {"i": seed}}
 
 
-def _gated_lease(ck, gate: threading.Event) -> None:
-    """Hold the Checkpointer's leases ahead until ``gate`` is set: a slot the agent is still faulting in."""
+def _gated_lease(ck, gate: threading.Event) -> threading.Event:
+    """Hold the Checkpointer's leases ahead until ``gate`` is set (a slot the agent is still faulting in);
+    the event returned is set once a held lease went on."""
     lease = ck._prelease
+    went_on = threading.Event()
 
     def held(nbytes: int) -> None:
-        gate.wait(20)
+        gate.wait(120)
+        went_on.set()
         lease(nbytes)
 
     ck._prelease = held
+    return went_on
 
 
 def _restored(shm: str, job: str, step: int, seed: int) -> dict:
@@ -300,10 +304,10 @@ def test_a_save_takes_a_slot_the_agent_only_sized_rather_than_wait_for_the_one_b
                         staticmethod(lambda slot, spans: (allocated.append((slot, spans)), allocate(slot, spans))))
     gate = threading.Event()
     with ckpt.Checkpointer("nowait", shm=shm) as ck:
-        _gated_lease(ck, gate)
+        went_on = _gated_lease(ck, gate)
         assert ck.restore(state) is None  # a fresh start leases the first save's slot ahead: held at the gate
         fut = ck.save(0, state)
-        returned_first = not gate.is_set()
+        returned_first = not went_on.is_set()
         gate.set()
         fut.wait()
         assert returned_first  # the save did not wait for the slot leased ahead
