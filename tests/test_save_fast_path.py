@@ -254,15 +254,9 @@ def test_populating_a_mapping_ahead_never_changes_the_bytes_of_the_slot(tmp_path
 
 
 def _model_state(seed: int = 0) -> dict:
-    g = torch.Generator().manual_seed(seed)
-    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 8))
-    with torch.no_grad():
-        for p in model.parameters():
-            p.copy_(torch.randn(p.shape, generator=g))
-    optim = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    model(torch.randn(4, 64, generator=g)).sum().backward()
-    optim.step()
-    return {"model": model, "optim": optim, "pos": {"i": seed}}
+    from test_slots_lifecycle import _state  # the same small model and optimizer as the slot tests
+
+    return _state(seed)
 
 
 def _gated_lease(ck, gate: threading.Event) -> threading.Event:
