@@ -502,9 +502,7 @@ class Agent:
             if not isinstance(unique, list) or len(unique) != 2:
                 raise RequestError("unique must be [bytes, [[rank, ...], ...]]")
             unique = unique_part(unique[0], unique[1], rank, world, nbytes, durable)
-            cut = next((c for c in layout.chunks if c.nbytes and c.offset < unique[0] < c.offset + c.nbytes), None)
-            if cut is not None:
-                raise RequestError(f"rank {rank}: unique {unique[0]} cuts the chunk {cut.name!r} in two")
+            self.layouts.check_boundary(rank, layout, unique[0], "unique")
         row = Row(job, step, rank, world, nbytes, layout.digest, values, int(req.get("save_index", step)),
                   meta, self.me, None if part is None else (durable, part.digest), unique)
         pend = self.book.admit(row, local=True)

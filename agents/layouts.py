@@ -57,6 +57,8 @@ class LayoutBook:
         self._parsed: dict[tuple[str, str], Layout] = {}
         #: (job, layout digest, durable bytes) -> the durable part's layout (see :meth:`durable`)
         self._durable: dict[tuple[str, str, int], Layout] = {}
+        #: (layout digest, offset) pairs known to fall between chunks (see :meth:`check_boundary`)
+        self._boundaries: set[tuple[str, int]] = set()
         #: (place, job, digest) of layout objects known to be stored in a place (a tier name, or a peer node)
         self._at: set[tuple[str, str, str]] = set()
         self._trimmed: dict[tuple[str, str], float] = {}
@@ -130,6 +132,18 @@ class LayoutBook:
             if not await asyncio.to_thread(os.path.exists, self.memory.path(lkey)):
                 await asyncio.to_thread(self.memory.put, lkey, layout.to_bytes())
             self.mark("memory", job, layout.digest)
+
+    def check_boundary(self, rank: int, layout: Layout, at: int, what: str) -> None:
+        """RequestError when ``at`` falls inside a chunk of ``layout`` (``what`` names the part that ends there);
+        remembered per layout, so an unchanged layout is walked once, not at every save."""
+        if (layout.digest, at) in self._boundaries:
+            return
+        cut = next((c for c in layout.chunks if c.nbytes and c.offset < at < c.offset + c.nbytes), None)
+        if cut is not None:
+            raise RequestError(f"rank {rank}: {what} {at} cuts the chunk {cut.name!r} in two")
+        if len(self._boundaries) > 4096:
+            self._boundaries.clear()
+        self._boundaries.add((layout.digest, at))
 
     async def durable(self, job: str, rank: int, layout: Layout, durable: int) -> Layout:
         """The layout of the first ``durable`` bytes of a shard laid out by ``layout`` (the chunks the rank writes

@@ -236,9 +236,10 @@ class Replicator:
             if head is None:
                 return dict.fromkeys(targets, True)
             if self.book.node_maps.get(job, (None,))[0] != world:
-                # the job's first step here: where its ranks are is known once the step is committed
+                # the job's first step here: where its ranks are is known once the step is committed (every
+                # rank's row in; on a loaded machine that can take several peer timeouts); copied whole if not
                 with contextlib.suppress(asyncio.TimeoutError):
-                    await asyncio.wait_for(self.book.wait_committed(job, step), self.settings.peer_timeout)
+                    await asyncio.wait_for(self.book.wait_committed(job, step), 6 * self.settings.peer_timeout)
             return self.whole_copies(job, world, rank, head[1], targets)
 
         async def copy(r: int) -> bool:

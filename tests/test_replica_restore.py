@@ -185,3 +185,17 @@ def test_verify_checks_a_head_against_the_manifest(places, capsys):
     assert main(["verify", JOB, "--step", str(STEP), "--shm", mem1.root]) != 0
     out = capsys.readouterr().out
     assert any("(head)" in line and "CORRUPT" in line for line in out.splitlines()), out
+
+
+def test_the_agent_refuses_a_unique_part_that_ends_inside_a_chunk(tmp_path):
+    from agents.layouts import LayoutBook
+    from agents.protocol import RequestError
+
+    book = LayoutBook(MemoryTier(str(tmp_path / "m")), 60.0)
+    _, layout, n = _shard(0)
+    book.check_boundary(0, layout, n, "unique")  # between the own tensor and the replicated one
+    book.check_boundary(0, layout, n, "unique")  # remembered: the same answer
+    with pytest.raises(RequestError, match="cuts the chunk 'own'"):
+        book.check_boundary(0, layout, 10, "unique")
+    with pytest.raises(RequestError, match="cuts the chunk 'w'"):
+        book.check_boundary(0, layout, n + 8, "unique")
