@@ -13,6 +13,12 @@ Routes (``<key>`` is a shard, manifest or layout key of :mod:`tiers.keys`; any o
                                  422 on a checksum mismatch (nothing published)
     DELETE /v1/o/<key>           204, present or not
     GET    /metrics              Prometheus text; never needs a signature
+    GET    /v1/disk/list?prefix=P[&after=K]
+                                 the node's disk tier listed as /v1/list lists memory (empty when
+                                 the node has no disk folder)
+    HEAD   /v1/disk/o/<key>      as /v1/o/<key>, of the disk tier (read-only: no PUT, no DELETE)
+    GET    /v1/disk/o/<key>      the bytes, ranged as /v1/o/<key>; an LZ4-compressed object is
+                                 sent decompressed, streamed
 
 A layout PUT is stored only when its content matches the digest its key names (else 422).
 
@@ -82,7 +88,8 @@ from aiohttp.http_exceptions import HttpProcessingError
 from recovery import step_index
 from tiers import keys
 from tiers.checksum import Hasher
-from tiers.errors import KeyNotFoundError, ManifestError
+from tiers.disk import DiskTier
+from tiers.errors import KeyNotFoundError, ManifestError, TierError
 from tiers.memory import MemoryTier
 from tiers.wire import (
     CHECKSUM_RE,
@@ -289,7 +296,7 @@ class PeerServer:
     ``max_pending``: connections not yet authenticated, all sources together
     (past it the oldest of the source holding the most is closed);
     ``auth_timeout``: seconds a connection has to deliver its first request
-    head. A client that dribbles its request is cut by the keep-alive timer
+    head. ``disk``: this node's disk tier, served read-only to the peers (None: its listing is empty). A client that dribbles its request is cut by the keep-alive timer
     (``keepalive_timeout`` seconds without a completed request).
 
     Call order: ``await start()`` once, then ``await stop()`` once. Raises
@@ -318,6 +325,7 @@ class PeerServer:
         keepalive_timeout: float = KEEPALIVE_TIMEOUT,
         max_pending: int = MAX_PENDING,
         auth_timeout: float = AUTH_TIMEOUT,
+        disk: DiskTier | None = None,
     ) -> None:
         if not secret and not _is_loopback(host):
             raise PeerServerError(
@@ -347,6 +355,7 @@ class PeerServer:
         self.keepalive_timeout = float(keepalive_timeout)
         self._listener: asyncio.AbstractServer | None = None
         self.memory = memory
+        self.disk = disk
         self.host = host
         self.port = int(port)
         self.node = int(node)
@@ -407,6 +416,11 @@ class PeerServer:
         obj.add_route("PUT", self._put, expect_handler=self._expect_put)
         obj.add_route("DELETE", self._delete)
         self._object = obj
+        r.add_route("GET", "/v1/disk/list", self._disk_list, name="disk-list")
+        disk = r.add_resource("/v1/disk/o/{key:.+}", name="disk-object")
+        disk.add_route("GET", self._disk_get)
+        disk.add_route("HEAD", self._disk_get)
+        self._disk_object = disk
         r.add_route("GET", "/metrics", self._metrics, name="metrics")
         for method, path, handler in self._extra:
             r.add_route(method, path, handler)
@@ -586,9 +600,11 @@ class PeerServer:
             response.force_close()
             return response
         try:
-            if (request.method == "PUT" and request.match_info.route.resource is self._object) \
+            resource = request.match_info.route.resource
+            if (request.method == "PUT" and resource is self._object) or resource is self._disk_object \
                     or request.path in self.long_paths:
-                # an upload bounds its own reads (idle timeout per piece), not its total time
+                # an upload bounds its own reads (idle timeout per piece), not its total time; a compressed
+                # object from disk is streamed by the handler, paced by the reader
                 return await handler(request)
             return await asyncio.wait_for(handler(request), self.handler_timeout)
         except _Refused as e:
@@ -713,6 +729,108 @@ class PeerServer:
             return _text(416, f"Range starts at byte {rng.start}, past the end of {key} ({size} bytes)",
                          headers=unsatisfied)
         return None
+
+    # -- the disk tier, read-only ---------------------------------------------------------
+    def _disk_key(self, request: web.Request) -> str:
+        """The request's key, a shard, manifest, layout or step-index key the disk folder can hold."""
+        key = request.match_info["key"]
+        ok = len(key) <= MAX_KEY_LEN and (keys.parse_key(key) is not None or keys.parse_layout_key(key) is not None
+                                         or keys.parse_index_key(key) is not None)
+        if ok and self.disk is not None:
+            try:
+                self.disk.path(key)
+            except KeyNotFoundError:
+                ok = False
+        if not ok:
+            raise _Refused(_text(400, f"invalid key {key[:MAX_KEY_LEN]!r}: expected <job>/step-<N>/rank-<R>.shard, "
+                                      "<job>/step-<N>/manifest.json or <job>/layouts/<digest>.layout"))
+        return key
+
+    def _disk_scan(self, prefix: str, after: str) -> tuple[list[list[Any]], bool]:
+        assert self.disk is not None
+        entries: list[list[Any]] = []
+        for key in self.disk.list(prefix):
+            if key <= after or (keys.parse_key(key) is None and keys.parse_layout_key(key) is None):
+                continue
+            try:
+                size = self.disk.stat(key).size
+            except (OSError, TierError):
+                continue  # deleted (or unreadable) since it was listed
+            if len(entries) == MAX_LIST_KEYS:
+                return entries, True
+            entries.append([key, size])
+        return entries, False
+
+    async def _disk_list(self, request: web.Request) -> web.Response:
+        prefix = request.query.get("prefix", "")
+        after = request.query.get("after", "")
+        for name, value in (("prefix", prefix), ("after", after)):
+            if len(value) > MAX_KEY_LEN or "\0" in value:
+                return _text(400, f"invalid {name} {value[:64]!r}")
+        if self.disk is None:
+            return web.json_response([], headers={H_MORE: "0"})
+        entries, more = await asyncio.get_running_loop().run_in_executor(self._pool, self._disk_scan, prefix, after)
+        return web.json_response(entries, headers={H_MORE: "1" if more else "0"})
+
+    async def _disk_get(self, request: web.Request) -> web.StreamResponse:
+        key = self._disk_key(request)
+        loop = asyncio.get_running_loop()
+        if self.disk is None:
+            return _text(404, f"{key}: node {self.node} has no disk tier")
+        plain = await loop.run_in_executor(self._pool, self.disk.local_file, key)
+        if plain is not None:
+            try:
+                st = os.stat(plain)
+            except FileNotFoundError:
+                st = None
+            if st is not None and stat.S_ISREG(st.st_mode):
+                refused = self._range_problem(request, key, st.st_size)
+                if refused is not None:
+                    return refused
+                return web.FileResponse(plain, headers={H_MTIME: repr(st.st_mtime)})
+        try:
+            info = await loop.run_in_executor(self._pool, self.disk.stat, key)
+        except KeyNotFoundError:
+            return _text(404, f"{key} is not on node {self.node}'s disk")
+        return await self._disk_stream(request, key, info.size, info.mtime)
+
+    async def _disk_stream(self, request: web.Request, key: str, size: int, mtime: float) -> web.StreamResponse:
+        """A compressed disk object, decompressed piece by piece (a Range is honoured as a file's is)."""
+        assert self.disk is not None
+        refused = self._range_problem(request, key, size)
+        if refused is not None:
+            return refused
+        start, stop = 0, size
+        if "Range" in request.headers and request.if_range is None:
+            rng = request.http_range
+            if rng.start is not None and rng.start < 0:
+                start = max(0, size + rng.start)
+            else:
+                start = rng.start or 0
+                stop = size if rng.stop is None else min(size, rng.stop)
+        partial = (start, stop) != (0, size)
+        headers = {H_MTIME: repr(mtime), "Content-Length": str(stop - start), "Accept-Ranges": "bytes"}
+        if partial:
+            headers["Content-Range"] = f"bytes {start}-{stop - 1}/{size}"
+        resp = web.StreamResponse(status=206 if partial else 200, headers=headers)
+        await resp.prepare(request)
+        if request.method == "HEAD":
+            return resp
+        loop = asyncio.get_running_loop()
+        f = await loop.run_in_executor(self._pool, self.disk.reader, key, start)
+        try:
+            left = stop - start
+            while left:
+                data = await loop.run_in_executor(self._pool, f.read, min(8 << 20, left))
+                if not data:
+                    # shorter than its size said (replaced meanwhile): the client sees a short body
+                    raise ConnectionResetError(f"{key} changed while it was sent")
+                await resp.write(data)
+                left -= len(data)
+        finally:
+            f.close()
+        await resp.write_eof()
+        return resp
 
     async def _delete(self, request: web.Request) -> web.Response:
         key = self._key(request)

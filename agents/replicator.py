@@ -63,7 +63,7 @@ from .layouts import LayoutBook
 from .mesh_placement import shard_copies
 from .replication import DEFLATED_JSON, LinkPool, Membership, PeerLink, load_peer_list
 from .stepbook import Pending, StepBook
-from .tierset import peer_tier_map
+from .tierset import disk_tier, peer_tier_map
 
 __all__ = ["MAX_CONTROL_BODY", "Replicator"]
 
@@ -177,7 +177,7 @@ class Replicator:
             extra_routes=[("POST", "/v1/up", self._tree_route(self.dis.handle_up)),
                           ("POST", "/v1/down", self._tree_route(self.dis.handle_down)),
                           ("POST", "/v1/fetch", self._http_fetch), ("POST", "/v1/publish", self._http_publish)],
-            metrics_cb=metrics, long_paths=("/v1/fetch",),
+            metrics_cb=metrics, long_paths=("/v1/fetch",), disk=disk_tier(s),
         )
         #: copies of local shards to peers still under way, per step (``wait`` waits for them too)
         self._copies: dict[tuple[str, int], set[asyncio.Future]] = {}

@@ -10,6 +10,7 @@ peer may take. Every caller builds its tiers here::
     s3_tier(s, retry_deadline=…)         the S3 prefix, or None (boto3 imported only then)
     peer_tiers(s, only=…, exclude=…)     a client per other node, in node order
     peer_tier_map(s, …)                  the same, keyed by node rank (the agent's)
+    peer_disk_tiers(s, only=…, exclude=…)  the other nodes' disks, read-only, through their agents
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from tiers.memory import MemoryTier
 
 from .replication import load_peer_list
 
-__all__ = ["disk_tier", "memory_tier", "peer_tier_map", "peer_tiers", "s3_tier"]
+__all__ = ["disk_tier", "memory_tier", "peer_disk_tiers", "peer_tier_map", "peer_tiers", "s3_tier"]
 
 
 def memory_tier(settings) -> MemoryTier:
@@ -51,27 +52,29 @@ def s3_tier(settings, *, retry_deadline: float | None = None, max_attempts: int 
 
 
 def peer_tier_map(settings, *, timeout: float, secret: bytes | None, ssl_context=None, bucket=None,
-                  only: set[int] | None = None, exclude: set[int] | None = None) -> dict:
+                  only: set[int] | None = None, exclude: set[int] | None = None, disk: bool = False) -> dict:
     """A client tier for every other node in ``settings.peers``, by node rank (empty without peers).
 
     ``timeout`` is in seconds; ``bucket`` (a :class:`~tiers.wire.TokenBucket`) paces the bytes read;
-    ``only`` / ``exclude`` narrow it to / away from those node ranks.
+    ``only`` / ``exclude`` narrow it to / away from those node ranks; with ``disk``, the nodes' disk tiers
+    (read-only) instead of their memory.
     """
     if not settings.peers:
         return {}
-    from tiers.peer import PeerTier
+    from tiers.peer import PeerDiskTier, PeerTier
 
-    return {n.rank: PeerTier(n.addr, secret=secret, node=settings.node_rank, timeout=timeout,
+    kind = PeerDiskTier if disk else PeerTier
+    return {n.rank: kind(n.addr, secret=secret, node=settings.node_rank, timeout=timeout,
                              ssl_context=ssl_context, bucket=bucket)
             for n in load_peer_list(settings.peers) if n.rank != settings.node_rank
             and (only is None or n.rank in only) and (exclude is None or n.rank not in exclude)}
 
 
 def peer_tiers(settings, *, timeout: float | None = None, only: set[int] | None = None,
-               exclude: set[int] | None = None) -> list:
+               exclude: set[int] | None = None, disk: bool = False) -> list:
     """A client tier for every other node in ``settings.peers`` (none without peers), in node order;
-    ``only`` / ``exclude`` narrow it to / away from those node ranks. For a restore or the CLI: a peer
-    gets at most 5 s (``timeout``, seconds, overrides it)."""
+    ``only`` / ``exclude`` narrow it to / away from those node ranks; with ``disk``, their disk tiers. For a
+    restore or the CLI: a peer gets at most 5 s (``timeout``, seconds, overrides it)."""
     if not settings.peers:
         return []
     from tiers.wire import load_secret
@@ -83,5 +86,12 @@ def peer_tiers(settings, *, timeout: float | None = None, only: set[int] | None 
 
         ctx = ssl.create_default_context(cafile=settings.tls_ca)
     tiers = peer_tier_map(settings, timeout=timeout or min(settings.peer_timeout, 5.0), secret=secret,
-                          ssl_context=ctx, only=only, exclude=exclude)
+                          ssl_context=ctx, only=only, exclude=exclude, disk=disk)
     return [tiers[r] for r in sorted(tiers)]
+
+
+def peer_disk_tiers(settings, *, timeout: float | None = None, only: set[int] | None = None,
+                    exclude: set[int] | None = None) -> list:
+    """The other nodes' disk tiers, read-only through their agents, in node order (see :func:`peer_tiers`):
+    a node's disk holds its ranks' durable parts, so a restore from disk reads the other ranks' from them."""
+    return peer_tiers(settings, timeout=timeout, only=only, exclude=exclude, disk=True)

@@ -8,7 +8,7 @@ URL"``). Each source has a latency (seconds) and a bandwidth (bytes/s); reading
 Until a source has been observed its values are the *priors* of its kind
 (``tier.name``). They are not measurements: they are picked so that both the
 latency and the bandwidth rank the kinds in the design's order, so with no
-observations the order is memory < peer < disk < s3 (< any other kind) for
+observations the order is memory < peer < disk < peer-disk < s3 (< any other kind) for
 shards of every size. Real transfers replace them:
 
 * a transfer under :data:`SMALL_BYTES` updates the latency, a larger one the
@@ -53,6 +53,7 @@ PRIORS: dict[str, tuple[float, float]] = {
     "memory": (20e-6, 10e9),
     "peer": (0.5e-3, 2.5e9),
     "disk": (1e-3, 1.5e9),
+    "peer-disk": (1.5e-3, 1.2e9),
     "s3": (50e-3, 0.2e9),
 }
 #: priors of a kind not in :data:`PRIORS`: behind every known kind at any size

@@ -128,11 +128,11 @@ SIZES = [0, 1, 4096, 256 << 10, MiB, 64 * MiB, 1 << 30, 10 << 30, 100 << 30]
 
 
 @pytest.mark.parametrize("nbytes", SIZES)
-def test_priors_order_memory_peer_disk_s3_then_unknown_for_any_size(nbytes):
-    kinds = ["s3", "zfs", "disk", "peer", "memory"]
+def test_priors_order_memory_peer_disk_peer_disk_s3_then_unknown_for_any_size(nbytes):
+    kinds = ["s3", "zfs", "peer-disk", "disk", "peer", "memory"]
     tiers = [DictTier(k, f"/{k}") for k in kinds]
     got = CostModel().order(tiers, nbytes)
-    assert [t.name for t in got] == ["memory", "peer", "disk", "s3", "zfs"]
+    assert [t.name for t in got] == ["memory", "peer", "disk", "peer-disk", "s3", "zfs"]
 
 
 _rate = st.tuples(st.floats(1e-7, 10.0), st.floats(1e3, 1e12))

@@ -467,3 +467,72 @@ def test_a_client_dribbling_its_headers_is_cut_by_the_keepalive_timer(peer_serve
     assert closed, "the server kept a connection that never completed a request for 10 s"
     assert time.monotonic() - t0 < 5
     s.close()
+
+
+# ---------------------------------------------------------------- a node's disk, read-only through its server
+@pytest.mark.parametrize("compress", [False, True], ids=["plain", "lz4"])
+def test_a_peer_disk_tier_reads_the_nodes_disk_bit_exact_and_never_writes_it(peer_server, tmp_path, compress,
+                                                                              monkeypatch):
+    from tiers.disk import DiskTier
+    from tiers.peer import PeerDiskTier
+
+    monkeypatch.setattr(peer_server_module, "MAX_LIST_KEYS", 2)  # the listing pages as memory's does
+    disk = DiskTier(tmp_path / "disk", compress=compress)
+    _, addr, memory = peer_server(SECRET, disk=disk)
+    data = {shard_key("job", 3, r): payload(300_000 + r, seed=r) for r in range(3)}
+    data[manifest_key("job", 3)] = b'{"not": "parsed here"}'
+    for k, v in data.items():
+        disk.put(k, v)
+    memory.put(shard_key("job", 9, 0), b"memory, not disk")
+    with PeerDiskTier(addr, secret=SECRET, node=0) as t:
+        assert t.name == "peer-disk" and t.describe().startswith("peer-disk ")
+        assert t.list_sizes("job/") == sorted((k, len(v)) for k, v in data.items())  # disk's only, decompressed
+        for k, v in data.items():
+            assert t.get(k) == v and t.stat(k).size == len(v)
+        k = shard_key("job", 3, 1)
+        buf = bytearray(1000)
+        assert t.read_into(k, memoryview(buf), 123_456) == 1000 and bytes(buf) == data[k][123_456:124_456]
+        assert t.get(k, 299_990) == data[k][299_990:]
+        parts = [(0, memoryview(bytearray(10))), (10, memoryview(bytearray(5)))]
+        t.read_ranges(k, parts)
+        assert b"".join(bytes(v) for _, v in parts) == data[k][:15]
+        with pytest.raises(TierError):
+            t.read_into(k, memoryview(bytearray(10)), len(data[k]))  # past the end
+        with pytest.raises(KeyNotFoundError):
+            t.get(shard_key("job", 9, 0))  # in memory, not on disk
+        with pytest.raises(TierError, match="read-only"):
+            t.put(shard_key("job", 4, 0), b"x")
+        with pytest.raises(TierError, match="read-only"):
+            t.delete(k)
+    assert disk.get(k) == data[k] and disk.list("job/step-4/") == []
+    with PeerDiskTier(addr, secret=b"another-secret-0123456789", node=0, retries=0) as t:
+        with pytest.raises(TierError):
+            t.get(k)  # signed like every route
+    # the routes themselves take no write, and no key that could leave the folder
+    host, port = parse_addr(addr)
+    _, addr2, _ = peer_server(None, root=tmp_path / "shm2", disk=disk)
+    host2, port2 = parse_addr(addr2)
+    conn = http.client.HTTPConnection(host2, port2, timeout=10)
+    for method, path in (("PUT", f"/v1/disk/o/{k}"), ("DELETE", f"/v1/disk/o/{k}")):
+        conn.request(method, path, body=b"x" if method == "PUT" else None)
+        resp = conn.getresponse()
+        resp.read()
+        assert resp.status == 405, (method, resp.status)
+    for bad in ("job/step-3/../../etc", "job/.hidden/rank-0.shard", "a" * 2000):
+        conn.request("GET", f"/v1/disk/o/{bad}")
+        resp = conn.getresponse()
+        resp.read()
+        assert resp.status in (400, 404), (bad, resp.status)
+    conn.close()
+    assert sorted(disk.list()) == sorted(data)
+
+
+def test_a_node_without_a_disk_lists_an_empty_disk_and_answers_404(peer_server):
+    from tiers.peer import PeerDiskTier
+
+    _, addr, memory = peer_server(SECRET)
+    memory.put(shard_key("job", 1, 0), b"in memory")
+    with PeerDiskTier(addr, secret=SECRET, node=0) as t:
+        assert t.list() == []
+        with pytest.raises(KeyNotFoundError):
+            t.get(shard_key("job", 1, 0))

@@ -10,6 +10,7 @@ stored as LZ4 frames (``<key>.lz4``); reads decompress transparently.
 from __future__ import annotations
 
 import errno
+import io
 import os
 
 import lz4.frame
@@ -94,6 +95,26 @@ class DiskTier(FolderTier):
                 return done
         except RuntimeError as e:  # lz4 reports a damaged frame this way
             raise TierError(errno.EIO, f"{key}: damaged LZ4 frame in {path} ({e})") from e
+
+    def reader(self, key: str, offset: int = 0) -> io.BufferedIOBase:
+        """A binary file of ``key``'s stored bytes (decompressed), positioned at ``offset``: for a caller that
+        streams an object in pieces (one decompression pass, where ranged ``get`` calls would each start
+        over). The caller closes it. Raises KeyNotFoundError when absent, TierError for a damaged frame."""
+        path, compressed = self._existing(key)
+        try:
+            f = lz4.frame.LZ4FrameFile(path, "rb") if compressed else open(path, "rb")
+        except FileNotFoundError as e:
+            raise KeyNotFoundError(errno.ENOENT, f"{key} is not in the disk tier at {self.root}") from e
+        try:
+            if offset and f.seek(offset) != offset:
+                raise TierError(errno.EINVAL, f"{key}: read at {offset} past its end")
+        except RuntimeError as e:
+            f.close()
+            raise TierError(errno.EIO, f"{key}: damaged LZ4 frame in {path} ({e})") from e
+        except BaseException:
+            f.close()
+            raise
+        return f
 
     def local_file(self, key: str) -> str | None:
         path, compressed = self._existing(key)

@@ -63,7 +63,7 @@ from .wire import (
     sign,
 )
 
-__all__ = ["PeerTier", "TokenBucket", "parse_addr", "EXPECT_THRESHOLD"]
+__all__ = ["PeerDiskTier", "PeerTier", "TokenBucket", "parse_addr", "EXPECT_THRESHOLD"]
 
 #: uploads this large or larger ask ``Expect: 100-continue`` before sending the body, bytes
 EXPECT_THRESHOLD = 1 << 20
@@ -195,6 +195,9 @@ class PeerTier(TierBase):
     name = "peer"
     #: idle keep-alive connections kept for reuse
     KEEP_IDLE = 4
+    #: where the peer serves the objects of this tier, and their listing
+    _OBJECTS = "/v1/o/"
+    _LIST = "/v1/list"
 
     def __init__(
         self,
@@ -243,7 +246,7 @@ class PeerTier(TierBase):
         self._closed = False
 
     def describe(self) -> str:
-        return f"peer {self.addr}"
+        return f"{self.name} {self.addr}"
 
     # -- connections -----------------------------------------------------------------------
     def _take(self) -> http.client.HTTPConnection:
@@ -474,7 +477,7 @@ class PeerTier(TierBase):
     def put(self, key: str, src: Source) -> int:
         """Send ``src`` (bytes-like, or a local file's path) as ``key``; return its size in bytes."""
         _check_key(key)
-        path = "/v1/o/" + key
+        path = self._OBJECTS + key
         if isinstance(src, (str, os.PathLike)):
             body: _Body = _FileBody(os.fspath(src))
         else:
@@ -535,7 +538,7 @@ class PeerTier(TierBase):
         n = sum(len(v) for v in views)
 
         def attempt(conn: http.client.HTTPConnection) -> int:
-            resp = self._exchange(conn, "GET", "/v1/o/" + key, headers={"Range": f"bytes={offset}-{offset + n - 1}"})
+            resp = self._exchange(conn, "GET", self._OBJECTS + key, headers={"Range": f"bytes={offset}-{offset + n - 1}"})
             if resp.status == 416:
                 total = self._total(resp)
                 self._discard(resp)
@@ -573,7 +576,7 @@ class PeerTier(TierBase):
         # one request for size and bytes, so an overwrite between the two cannot tear the result
         def attempt(conn: http.client.HTTPConnection) -> bytes:
             headers = {"Range": f"bytes={offset}-"} if offset else None
-            resp = self._exchange(conn, "GET", "/v1/o/" + key, headers=headers)
+            resp = self._exchange(conn, "GET", self._OBJECTS + key, headers=headers)
             if resp.status == 416:
                 total = self._total(resp)
                 self._discard(resp)
@@ -597,7 +600,7 @@ class PeerTier(TierBase):
         _check_key(key)
 
         def attempt(conn: http.client.HTTPConnection) -> ObjectInfo:
-            resp = self._exchange(conn, "HEAD", "/v1/o/" + key)
+            resp = self._exchange(conn, "HEAD", self._OBJECTS + key)
             if resp.status != 200:
                 raise self._fail(resp, f"stat of {key}", key)
             resp.read()
@@ -624,7 +627,7 @@ class PeerTier(TierBase):
             query = {"prefix": prefix, "after": after} if after else {"prefix": prefix}
 
             def attempt(conn: http.client.HTTPConnection, query: dict = query) -> tuple[list, bool]:
-                resp = self._exchange(conn, "GET", "/v1/list", query)
+                resp = self._exchange(conn, "GET", self._LIST, query)
                 if resp.status != 200:
                     raise self._fail(resp, f"list of {prefix!r}")
                 more = resp.getheader(H_MORE, "0") == "1"
@@ -651,7 +654,7 @@ class PeerTier(TierBase):
         _check_key(key)
 
         def attempt(conn: http.client.HTTPConnection) -> None:
-            resp = self._exchange(conn, "DELETE", "/v1/o/" + key)
+            resp = self._exchange(conn, "DELETE", self._OBJECTS + key)
             if resp.status not in (200, 204, 404):
                 raise self._fail(resp, f"delete of {key}", key)
             self._discard(resp)
@@ -671,3 +674,20 @@ class PeerTier(TierBase):
             return data
 
         return self._call("health check", attempt)
+
+
+class PeerDiskTier(PeerTier):
+    """Another node's disk tier, read-only, through the same peer server (``/v1/disk/...``): the objects of a
+    step its node drained to disk, read like its memory (ranged reads straight into the caller's buffer). A
+    node without a disk folder lists nothing. ``put`` and ``delete`` raise TierError: a node's disk is
+    written and trimmed by its own agent only."""
+
+    name = "peer-disk"
+    _OBJECTS = "/v1/disk/o/"
+    _LIST = "/v1/disk/list"
+
+    def put(self, key: str, src: Source) -> int:
+        raise TierError(errno.EROFS, f"{self.describe()} is read-only: only its own agent writes a node's disk")
+
+    def delete(self, key: str) -> None:
+        raise TierError(errno.EROFS, f"{self.describe()} is read-only: only its own agent trims a node's disk")
