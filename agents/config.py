@@ -62,6 +62,11 @@ class Settings:
     keep_s3: int = 3
     #: LZ4-compress shards on disk
     compress: bool = False
+    #: a rank holding chunks that other ranks hold too (data-parallel replicas, TP-replicated tensors) keeps
+    #: its whole shard on this node's disk, so a restore from disk reads no other node's; by default it keeps
+    #: its durable part only (the chunks it writes for all their holders): each chunk is once in the job's
+    #: disks, and a disk restore reads the rest from the other nodes' disks through their agents
+    disk_whole: bool = False
     #: when no staging slot is free: "wait" for one (up to slot_wait seconds) or "skip" the save
     full_policy: str = "wait"
     slot_wait: float = 300.0

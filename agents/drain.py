@@ -207,9 +207,10 @@ class Drainer:
         manifest_bytes = await asyncio.to_thread(self.memory.get, mkey)
         m = self.book.manifests.parse(manifest_bytes, job=job, step=step)
         t0 = time.perf_counter()
-        if tier.name == "s3":
-            # the shared tier holds every chunk once: a rank holding copies another rank writes puts only
-            # its durable part there, under the manifest that says so (the same bytes from every node)
+        if tier.name == "s3" or not self.settings.disk_whole:
+            # S3 and (unless ``disk_whole``) the job's disks hold every chunk once: a rank holding copies
+            # another rank writes puts only its durable part there, under the manifest that says so (the same
+            # bytes from every node); a disk restore reads the other ranks' parts from their nodes' disks
             view = durable_view(m)
             if view is not m:
                 m, manifest_bytes = view, view.to_bytes()

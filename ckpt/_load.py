@@ -142,6 +142,15 @@ class _Rebuilt:
     report: ShardReport
 
 
+def _first_failure(e: Any) -> BaseException:
+    """The exception a rank's read raised inside ``dcp.load`` (DCP's ``CheckpointException`` holds it), or a
+    ShardUnavailableError saying what it was when it is not an ``Exception`` of its own."""
+    for exc, _ in getattr(e, "failures", {}).values():
+        if isinstance(exc, Exception):
+            return exc
+    return ShardUnavailableError(f"the resharded restore failed inside DCP: {str(e)[:2000]}")
+
+
 class ShardLoader:
     """Loads this rank's part of a planned step into a state (see the module docstring).
 
@@ -160,6 +169,7 @@ class ShardLoader:
         :class:`ckpt._reader.PlanReader`; JSON and bytes values come from one saved rank's shard
         (:func:`values_rank`)."""
         import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.api import CheckpointException
         from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
         from ._reader import PlanReader
@@ -172,8 +182,16 @@ class ShardLoader:
             raise StateMismatchError(f"step {plan.step} of {plan.job!r} has no {', '.join(missing[:5])}: the "
                                      "state does not match the checkpoint")
         reader = PlanReader(plan, verify=self.verify)
-        with torch.no_grad():
-            dcp.load(tensors, storage_reader=reader, planner=DefaultLoadPlanner(allow_partial_load=True))
+        # each rank plans its own reads from its own tensors: no collective, so ranks that restore by another
+        # route in the same attempt (their own shard, their replicas) never leave this one waiting
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            try:
+                dcp.load(tensors, storage_reader=reader, planner=DefaultLoadPlanner(allow_partial_load=True),
+                         no_dist=True)
+            except CheckpointException as e:
+                # DCP wraps what the reads raised: the restore falls back on ours (a damaged or missing shard)
+                raise _first_failure(e) from e
         src_rank = values_rank(plan, self.rank, tensors)
         values = {e.name: e for e in plan.entries(src_rank)
                   if isinstance(e, JsonEntry) or e.dtype == BYTES_DTYPE}

@@ -57,7 +57,7 @@ from agents.config import Settings, SettingsConflictError, given_settings, setti
 from agents.launch import connect_or_spawn, wait_stopped
 from agents.replication import placement_partners
 from agents.protocol import AgentClient, AgentError, AgentUnreachableError
-from agents.tierset import disk_tier, memory_tier, peer_tiers, s3_tier
+from agents.tierset import disk_tier, memory_tier, peer_disk_tiers, peer_tiers, s3_tier
 from recovery import ShardReport, node_costs, plan_restore, scan_tiers
 from recovery.fetch import ShardUnavailableError
 from recovery.inventory import TierInventory
@@ -906,6 +906,7 @@ class Checkpointer:
             keys.check_step(step)
         failed: dict[int, str] = {}  # step -> why it could not be restored intact
         skipped: dict[int, set[str]] = {}  # step -> checksums of the manifests it failed with
+        restored: dict[int, tuple] = {}  # step -> (reports, manifest) where this rank restored it but another did not
         while True:
             usable = [s for s in steps if s not in failed]
             if step is None:
@@ -939,30 +940,48 @@ class Checkpointer:
                 self._lease_for(state)  # a fresh start: the first save's slot is faulted in meanwhile
                 return None
             skip = skipped.setdefault(agreed, set())
-            used = manifest_for(invs, self.job, agreed, skip)
-            try:
-                reports = self._restore_step(invs, agreed, state, skip, keep_state)
+            if agreed in restored:  # this rank restored it already; another rank looked again elsewhere
+                reports, used = restored[agreed]
                 why = None
-            except (ShardUnavailableError, StepNotFoundError, ManifestError, TierError) as e:
-                why = str(e)
-            ok = why is None
-            if self.world > 1:
-                if ok and not _min_over_ranks(int(ok)):
+            else:
+                used = manifest_for(invs, self.job, agreed, skip)
+                try:
+                    reports = self._restore_step(invs, agreed, state, skip, keep_state)
+                    why = None
+                except (ShardUnavailableError, StepNotFoundError, ManifestError, TierError) as e:
+                    why = str(e)
+            ok = local_ok = why is None
+            if self.world > 1:  # a collective every rank takes, its own restore failed or not
+                if not _min_over_ranks(int(ok)) and ok:
                     ok, why = False, "another rank could not restore it"
             if ok:
                 break
-            if used is not None:
+            other = False
+            if local_ok:
+                restored[agreed] = (reports, used)  # its state holds the step: kept while the others look again
+            elif used is not None:
                 skip.add(used.checksum)
-                if manifest_for(invs, self.job, agreed, skip) is not None:
-                    # another tier holds a different manifest of the step (another save of it): try that one
-                    log.warning("step %d of %s could not be restored with the manifest from the cheapest tier "
-                                "(%s): trying another tier's", agreed, self.job, why)
-                    continue
-            if far:
+                other = manifest_for(invs, self.job, agreed, skip) is not None
+            # whether any rank has somewhere else to look for this step: then every rank tries it again, or a rank
+            # that has already looked everywhere (S3 too) would pass it over for an older one while the others
+            # found it complete (a collective: every rank's step failed on some rank, so every rank comes here)
+            elsewhere = other or (far and not local_ok)
+            if self.world > 1:
+                elsewhere = bool(-_min_over_ranks(-int(elsewhere)))
+            if other:
+                # another tier holds a different manifest of the step (another save of it): try that one
+                log.warning("step %d of %s could not be restored with the manifest from the cheapest tier "
+                            "(%s): trying another tier's", agreed, self.job, why)
+                continue
+            if far and not local_ok:
                 log.warning("step %d of %s could not be restored from memory, peers or disk (%s): trying S3",
                             agreed, self.job, why)
                 skip.clear()  # S3 may hold intact shards of the very manifests that failed
                 steps = add_far()
+                continue
+            if elsewhere:
+                log.info("step %d of %s: another rank looks for it in another tier; waiting for it", agreed,
+                         self.job)
                 continue
             failed[agreed] = why
             log.warning("step %d of %s could not be restored intact from any tier: %s", agreed, self.job, why)
@@ -1032,8 +1051,11 @@ class Checkpointer:
             try:
                 whole = plan_restore(invs, self.job, agreed, costs=costs, skip=skip)
             except StepNotFoundError:
-                # resharding reads other ranks' shards: the other nodes' memory holds them before S3 does
+                # resharding reads other ranks' shards: the other nodes' memory holds them before S3 does, and
+                # their disks hold the durable parts of their ranks (each chunk once across the job's disks)
                 others = peer_tiers(self.settings, exclude=placement_partners(self.settings))
+                if self.settings.disk:
+                    others += peer_disk_tiers(self.settings)
                 if not others:
                     raise
                 whole = plan_restore(invs + scan_tiers(others, self.job), self.job, agreed, costs=costs, skip=skip)

@@ -43,6 +43,7 @@ from tiers.errors import InvalidNameError, KeyNotFoundError, ManifestError, Tier
 from tiers.layout import Layout
 from tiers.manifest import BYTES_DTYPE, DTYPE_SIZES, VALUES_NAME, JsonEntry, TensorChunk, decode_value, parse_spilled
 from tiers.memory import MemoryTier
+from tiers.peer import PeerDiskTier
 
 __all__ = ["main"]
 
@@ -96,10 +97,11 @@ def _settings(a: argparse.Namespace, extra: dict | None = None) -> Settings:
 
 
 def _tiers(s: Settings, *, s3_deadline: float = 20.0) -> list[Tier]:
-    from agents.tierset import disk_tier, memory_tier, peer_tiers, s3_tier
+    from agents.tierset import disk_tier, memory_tier, peer_disk_tiers, peer_tiers, s3_tier
 
     out: list[Tier] = [memory_tier(s)] if os.path.isdir(s.shm) else []
-    out += peer_tiers(s)
+    # the other nodes' memory, and their disks (each holds its own ranks' part of a step written to disk)
+    out += peer_tiers(s) + peer_disk_tiers(s)
     if s.disk and not os.path.isdir(s.disk):
         raise CliError(f"disk folder {s.disk} does not exist: check --disk / CKPT_DISK")
     out += [t for t in (disk_tier(s), s3_tier(s, retry_deadline=s3_deadline, max_attempts=3)) if t is not None]
@@ -162,7 +164,7 @@ def cmd_agent(a: argparse.Namespace) -> int:
 
     extra = {"disk_every": a.disk_every, "s3_every": a.s3_every, "keep_memory": a.keep_memory,
              "keep_disk": a.keep_disk, "keep_s3": a.keep_s3, "compress": True if a.compress else None,
-             "node_rank": a.node_rank, "peers": a.peers, "secret_file": a.secret_file, "replicas": a.replicas,
+             "disk_whole": True if a.disk_whole else None, "node_rank": a.node_rank, "peers": a.peers, "secret_file": a.secret_file, "replicas": a.replicas,
              "placement": a.placement, "peer_bandwidth": a.peer_bandwidth, "heartbeat": a.heartbeat,
              "dead_after": a.dead_after, "tls_cert": a.tls_cert, "tls_key": a.tls_key, "tls_ca": a.tls_ca,
              "prefetch": a.prefetch}
@@ -541,8 +543,8 @@ def cmd_gc(a: argparse.Namespace) -> int:
     restorable = set(complete_steps(invs, job, replicas=True))
     doomed: set[tuple[int, int]] = set()
     for i, inv in enumerate(invs):
-        if inv.error is not None:
-            continue
+        if inv.error is not None or isinstance(inv.tier, PeerDiskTier):
+            continue  # another node's disk is trimmed by that node's agent, or by `ckpt gc` on that node
         if explicit:
             doomed |= {(i, st) for st in inv.job(job) if a.all or st == a.step}
         else:
@@ -561,6 +563,11 @@ def cmd_gc(a: argparse.Namespace) -> int:
     for i, inv in enumerate(invs):
         if inv.error is not None:
             print(f"nothing freed in {inv.name} ({inv.tier.describe()}): it could not be listed")
+            continue
+        if isinstance(inv.tier, PeerDiskTier):
+            if explicit:
+                print(f"nothing freed in {inv.name} ({inv.tier.describe()}): another node's disk is trimmed by "
+                      "that node's agent (run `ckpt gc` on that node)")
             continue
         freed, removed, extra = _gc_place(inv, job, sorted(st for j, st in doomed if j == i), explicit=explicit,
                                           everything=a.all, dry=dry)
@@ -859,6 +866,9 @@ def build_parser() -> argparse.ArgumentParser:
     ag.add_argument("--keep-disk", type=int)
     ag.add_argument("--keep-s3", type=int)
     ag.add_argument("--compress", action="store_true", help="LZ4-compress shards on disk")
+    ag.add_argument("--disk-whole", action="store_true",
+                    help="keep each rank's whole shard on disk, replicated chunks included (a disk restore then "
+                         "reads no other node's disk); default: each chunk once across the job's disks")
     ag.add_argument("--peers", help="file listing every node's agent (host:port [domain=LABEL]), or a comma list")
     ag.add_argument("--secret-file", help="per-job secret that signs peer requests (required with --peers, "
                                           "loopback included; mode 0600, the same file on every node)")

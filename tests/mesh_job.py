@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import sys
 
@@ -117,6 +118,9 @@ def main() -> int:
     p.add_argument("--replicas", type=int, default=0, help="hsdp: replica groups (default: world / 2)")
     p.add_argument("--dim", type=int, default=16, help="the model's width")
     a = p.parse_args()
+    if os.environ.get("TIERCKPT_TEST_LOG"):  # a debugging run: each rank's log on stderr
+        logging.basicConfig(level=os.environ["TIERCKPT_TEST_LOG"],
+                            format=f"%(asctime)s r{os.environ.get('RANK')} %(name)s %(levelname)s %(message)s")
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     model, optim = build(a.mode, a.replicas, a.dim)
@@ -131,6 +135,7 @@ def main() -> int:
         if a.restore_only:
             report["restored"] = ck.restore(state)
             report["tiers"] = ck.last_restore.tiers
+            report["seconds"] = ck.last_restore.seconds
             report["progress"] = [state["progress"]["rank"], state["progress"]["token"].decode()]
             torch.save(dump(model, optim), f"{a.out}.dump.{rank}")
         else:

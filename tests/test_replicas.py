@@ -100,15 +100,36 @@ def _torchrun(n: int, nnodes: int, port: int, shm: str, out: str, *args: str, mo
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nnodes), "--node-rank", str(n),
            "--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port", str(port), JOB,
            "--mode", mode, "--job", "dedup", "--shm", shm, "--no-spawn", "--out", out, *args]
-    return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env())
+    # stderr to a file: torchrun's workers keep it open after torchrun itself is gone
+    with open(f"{out}.node{n}.err", "w") as err:
+        return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err, env=env())
+
+
+_NODES_DEADLINE = float(os.environ.get("TIERCKPT_TEST_NODES_DEADLINE", 600))
 
 
 def _run_nodes(shms: list[str], out: str, *args: str, mode: str = "hsdp") -> None:
     port = free_port()
     jobs = [_torchrun(n, len(shms), port, shm, out, *args, mode=mode) for n, shm in enumerate(shms)]
-    for j in jobs:
-        _, err = j.communicate(timeout=600)
-        assert j.returncode == 0, "\n".join(ln for ln in err.splitlines() if "Error" in ln)[-3000:] or err[-3000:]
+
+    def err(n: int) -> str:
+        with open(f"{out}.node{n}.err") as f:
+            return f.read()
+
+    for n, j in enumerate(jobs):
+        try:
+            j.wait(timeout=_NODES_DEADLINE)
+        except subprocess.TimeoutExpired:  # a hang: torchrun ends its workers on SIGTERM; every node's log says where
+            for k in jobs:
+                k.terminate()
+            for k in jobs:
+                try:
+                    k.wait(timeout=120)
+                except subprocess.TimeoutExpired:
+                    k.kill()
+            raise AssertionError("\n".join(f"--- node {i} ---\n{err(i)[-8000:]}" for i in range(len(jobs)))) from None
+        e = err(n)
+        assert j.returncode == 0, "\n".join(ln for ln in e.splitlines() if "Error" in ln)[-3000:] or e[-3000:]
 
 
 def _s3_shards(endpoint: str, bucket: str, step: int) -> dict[int, int]:
@@ -137,10 +158,11 @@ def _same(a: dict, b: dict) -> None:
 
 
 class _TwoNodes:
-    """Two simulated nodes for one job: a memory folder (and a disk folder, with ``disk``) each, a signed peer
-    list on loopback, S3 on moto; ``agent(n)`` starts node ``n``'s agent (``alone``: without peers)."""
+    """Two simulated nodes for one job: a memory folder (and a disk folder, with ``disk``; holding whole shards
+    with ``disk_whole``) each, a signed peer list on loopback, S3 on moto; ``agent(n)`` starts node ``n``'s
+    agent (``alone``: without peers)."""
 
-    def __init__(self, tmp_path, s3_bucket, disk: bool) -> None:
+    def __init__(self, tmp_path, s3_bucket, disk: bool, disk_whole: bool = False) -> None:
         from procs import write_secret
 
         self.endpoint, self.bucket = s3_bucket
@@ -149,12 +171,15 @@ class _TwoNodes:
         self.secret = write_secret(str(tmp_path / "secret"))
         self.shms = [str(tmp_path / f"node{n}" / "shm") for n in (0, 1)]
         self.disks = [str(tmp_path / f"node{n}" / "disk") for n in (0, 1)] if disk else None
+        self.disk_whole = disk_whole
 
     def agent(self, n: int, alone: bool = False):
         from procs import start_agent
 
         os.makedirs(os.path.dirname(self.shms[n]), exist_ok=True)
         disk = ["--disk", self.disks[n], "--disk-every", "1"] if self.disks else []
+        if self.disk_whole:
+            disk.append("--disk-whole")
         return start_agent(self.shms[n], "--node-rank", str(n), *([] if alone else ["--peers", str(self.peers)]),
                            "--secret-file", self.secret, *disk, "--s3", f"s3://{self.bucket}/ckpt",
                            "--s3-endpoint", self.endpoint, "--s3-every", "1")
@@ -182,7 +207,8 @@ class _TwoNodes:
             _same(before[r if count == 2 else 0], _dumps(out, [r])[r])
 
 
-def test_hsdp_on_two_nodes_writes_each_chunk_once_to_s3_and_restores_from_it_bit_exact(tmp_path, s3_bucket):
+def test_hsdp_on_two_nodes_writes_each_chunk_once_to_disk_and_s3_and_restores_from_each_bit_exact(tmp_path,
+                                                                                                  s3_bucket):
     from procs import kill9
 
     nodes = _TwoNodes(tmp_path, s3_bucket, disk=True)
@@ -207,14 +233,37 @@ def test_hsdp_on_two_nodes_writes_each_chunk_once_to_s3_and_restores_from_it_bit
     assert sum(s3.values()) < 0.55 * sum(memory.values())
     per_node = [s3[0] + s3[1], s3[2] + s3[3]]
     assert abs(per_node[0] - per_node[1]) <= max(c["nbytes"] for row in rows for c in row["chunks"])
-    # a node's own disk keeps its ranks' whole shards: a node restores from its own disk alone
+    # the job's disks hold every chunk once too: each node's disk holds its ranks' durable parts, so the
+    # bytes written to disk per step are the unique bytes, split evenly between the nodes (a step the drain
+    # passed over for a newer one is not there at all)
+    for step in (2,):
+        on_disk = {r: os.path.getsize(os.path.join(disks[r // 2], "dedup", f"step-{step}", f"rank-{r}.shard"))
+                   for r in range(4)}
+        assert on_disk == durable, (step, on_disk, durable)
+        for n in (0, 1):
+            assert sorted(f for f in os.listdir(os.path.join(disks[n], "dedup", f"step-{step}"))
+                          if f.endswith(".shard")) == [f"rank-{r}.shard" for r in (2 * n, 2 * n + 1)]
+    before = _dumps(saved, range(4))
+
+    # both nodes restart with their memory gone and their disks kept (a reboot): each rank reads its durable
+    # part from its own disk and its replica's chunks from the other node's disk, bit-exact, not from S3
     for n in (0, 1):
-        for r in (2 * n, 2 * n + 1):
-            assert os.path.getsize(os.path.join(disks[n], "dedup", "step-2", f"rank-{r}.shard")) == memory[r]
+        shutil.rmtree(shms[n])
+    procs = [nodes.agent(0), nodes.agent(1)]
+    again = str(tmp_path / "from-disk")
+    try:
+        _run_nodes(shms, again, "--restore-only")
+    finally:
+        for p in procs:
+            kill9(p)
+    for r in range(4):
+        row = json.loads(open(f"{again}.{r}").read())
+        assert row["restored"] == 2 and set(row["tiers"]) == {"disk", "peer-disk"}, row
+        assert row["progress"] == [r, f"rank-{r}"], row
+        _same(before[r], _dumps(again, [r])[r])
 
     # every node loses memory and disk: the ranks restore from S3, each chunk from the rank that wrote it;
     # then one replica group on one node (2 ranks, world 4 -> 2), from S3 again
-    before = _dumps(saved, range(4))
     nodes.restore_from_s3(str(tmp_path / "again"), before, 2, "hsdp")
     nodes.restore_from_s3(str(tmp_path / "half"), before, 1, "hsdp")
 
@@ -233,6 +282,71 @@ def test_hsdp_on_two_nodes_writes_each_chunk_once_to_s3_and_restores_from_it_bit
     for name, t in before[0].items():
         if name.startswith("param/"):
             assert torch.equal(exported["model"][name[len("param/"):]], t), name
+
+
+def _flip(path: str, offset: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        b = f.read(1)
+        f.seek(offset)
+        f.write(bytes([b[0] ^ 0x5A]))
+
+
+def test_a_damaged_or_lost_part_on_another_nodes_disk_is_read_from_s3_never_from_an_older_step(tmp_path,
+                                                                                                s3_bucket):
+    """HSDP 2 x 2, each chunk once across the two nodes' disks, S3 holding the same. Both nodes restart without
+    their memory, and the last byte of rank 2's durable part on node 1's disk is flipped: a chunk rank 0 reads
+    from there. Every rank still restores step 2 bit-exact; ranks 0 and 2 read what the damaged part held from
+    S3, ranks 1 and 3 only the disks. Then node 1's disk is gone too (a replaced drive): node 1's ranks find
+    nothing near and node 0's cannot complete the step from the disks; all of them restore step 2 from S3 (and
+    node 0's disk), never step 1, which every tier also holds."""
+    from procs import kill9
+    from tiers.keys import manifest_key
+    from tiers.manifest import Manifest
+
+    nodes = _TwoNodes(tmp_path, s3_bucket, disk=True)
+    shms, disks = nodes.shms, nodes.disks
+    procs = [nodes.agent(0), nodes.agent(1)]
+    saved = str(tmp_path / "saved")
+    try:
+        _run_nodes(shms, saved, "--steps", "3")
+    finally:
+        for p in procs:
+            kill9(p)
+    before = _dumps(saved, range(4))
+    view = Manifest.from_bytes(open(os.path.join(disks[1], *manifest_key("dedup", 2).split("/")), "rb").read())
+    assert "durable_of" in view.metadata
+    part = os.path.join(disks[1], "dedup", "step-2", "rank-2.shard")
+    assert os.path.getsize(part) == view.shard(2).size
+    _flip(part, view.shard(2).size - 1)
+
+    def restore(out: str) -> list[dict]:
+        for n in (0, 1):
+            shutil.rmtree(shms[n], ignore_errors=True)
+        procs = [nodes.agent(0), nodes.agent(1)]
+        try:
+            _run_nodes(shms, out, "--restore-only")
+        finally:
+            for p in procs:
+                kill9(p)
+        rows = [json.loads(open(f"{out}.{r}").read()) for r in range(4)]
+        for r, row in enumerate(rows):
+            assert row["restored"] == 2 and row["progress"] == [r, f"rank-{r}"], row
+            _same(before[r], _dumps(out, [r])[r])
+        return rows
+
+    rows = restore(str(tmp_path / "damaged"))
+    for r in (0, 2):
+        assert "s3" in rows[r]["tiers"] and set(rows[r]["tiers"]) <= {"disk", "peer-disk", "s3"}, rows[r]
+    for r in (1, 3):
+        assert set(rows[r]["tiers"]) == {"disk", "peer-disk"}, rows[r]
+
+    shutil.rmtree(disks[1])
+    rows = restore(str(tmp_path / "drive-replaced"))
+    for r in (2, 3):
+        assert set(rows[r]["tiers"]) == {"s3"}, rows[r]
+    for r in (0, 1):
+        assert "s3" in rows[r]["tiers"] and set(rows[r]["tiers"]) <= {"disk", "s3"}, rows[r]
 
 
 # ---------------------------------------------------------------- the job's own replicas as memory redundancy
@@ -292,10 +406,11 @@ def test_fsdp_tp_writes_tp_replicated_tensors_once_to_s3_and_restores_resharded(
     both TP ranks, reach S3 once; every rank's S3 shard is its durable part. The TP pair shares a node, so its
     replicas are no second copy in memory: the pair's lead rank sends its whole shard to the other node and its
     partner only its unique part. Node 1 lost: rank 2 restores from its copy on node 0, rank 3 from its head and
-    rank 2's shard there. From S3 alone the job restores bit-exact at 4 ranks and resharded at 2 (dp 1 x tp 2)."""
+    rank 2's shard there. From S3 alone the job restores bit-exact at 4 ranks and resharded at 2 (dp 1 x tp 2).
+    The agents keep whole shards on disk (``--disk-whole``): there, TP-replicated tensors are on both ranks'."""
     from procs import kill9
 
-    nodes = _TwoNodes(tmp_path, s3_bucket, disk=False)
+    nodes = _TwoNodes(tmp_path, s3_bucket, disk=True, disk_whole=True)
     endpoint, bucket, shms, agent = nodes.endpoint, nodes.bucket, nodes.shms, nodes.agent
 
     procs = [agent(0), agent(1)]
@@ -306,6 +421,10 @@ def test_fsdp_tp_writes_tp_replicated_tensors_once_to_s3_and_restores_resharded(
         s3 = _s3_shards(endpoint, bucket, 2)
         durable = {row["rank"]: row["durable"] if row["durable"] is not None else row["shard_size"] for row in rows}
         assert s3 == durable, (s3, durable)
+        on_disk = {r: os.path.getsize(os.path.join(nodes.disks[r // 2], "dedup", "step-2", f"rank-{r}.shard"))
+                   for r in range(4)}
+        assert on_disk == {row["rank"]: row["shard_size"] for row in rows}, on_disk
+        assert sum(on_disk.values()) > sum(durable.values())
         shared = [c for row in rows for c in row["chunks"] if len(c["holders"]) > 1]
         assert shared and all(set(c["holders"]) in ({0, 1}, {2, 3}) for c in shared)
         written = sum(c["nbytes"] for row in rows for c in row["chunks"] if c["owner"] == row["rank"])
