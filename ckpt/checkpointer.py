@@ -53,7 +53,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from agents.config import Settings, SettingsConflictError, given_settings, setting_conflicts
+from agents.config import Settings, SettingsConflictError, SettingsError, given_settings, setting_conflicts
 from agents.launch import connect_or_spawn, wait_stopped
 from agents.replication import placement_partners
 from agents.protocol import AgentClient, AgentError, AgentUnreachableError
@@ -81,6 +81,9 @@ log = logging.getLogger("tierckpt")
 
 class CheckpointError(RuntimeError):
     """A save failed in the background (staging, the agent, or writing to a tier)."""
+
+
+_CANNOT = -2  # restore(step=...): this rank cannot reach the step (below -1, no step at all)
 
 
 def _min_over_ranks(value: int) -> int:
@@ -253,6 +256,7 @@ class Checkpointer:
             self.rank, self.world = 0, 1
         _warn_restart_store(self.rank)
         self._client, self._started_agent, self.settings = self._connect(given, spawn, idle_exit)
+        self._check_nodes()
         self._pool = cf.ThreadPoolExecutor(1, thread_name_prefix="tierckpt-stage")
         self._copiers = [cf.ThreadPoolExecutor(1, thread_name_prefix=f"tierckpt-copy{i}")
                          for i in range(max(1, min(4, torch.get_num_threads())))]
@@ -279,6 +283,20 @@ class Checkpointer:
         self._said_every = False
         if overlap:
             self._install_hook()  # from now on it learns every optimizer that steps
+
+    def _check_nodes(self) -> None:
+        """Refuse a job that spans several nodes when this node's agent has no peers: a step commits only once
+        the agents have every rank's report, which reaches them through their peers (each save would wait for
+        ever)."""
+        local = os.environ.get("LOCAL_WORLD_SIZE", "")
+        if self.world == 1 or self.settings.peers or not local.isdigit() or int(local) >= self.world:
+            return
+        self._client.close()  # an agent started for this job exits once idle
+        raise SettingsError(
+            f"job {self.job!r} runs {self.world} ranks, {local} on this node, but the agent on {self.settings.shm} "
+            "has no peer list: no node could commit a step, which needs every node's report. Start every node's "
+            "agent with the same --peers FILE (one host:port per node, in node-rank order) and --node-rank N, or "
+            "set peers= and node_rank= in the job's settings")
 
     def _connect(self, given: dict, spawn: bool, idle_exit: float) -> tuple[AgentClient, bool, Settings]:
         """Connect to the node agent (starting one if allowed): ``(client, started it, its settings)``."""
@@ -912,21 +930,26 @@ class Checkpointer:
             if step is None:
                 mine = usable[-1] if usable else -1
             else:
-                if step not in usable:
-                    if far:
-                        steps = add_far()
-                        continue
-                    self._raise_not_restorable(invs, step, failed)
-                mine = step
+                if step not in usable and far:
+                    steps = add_far()
+                    continue
+                # a rank that cannot reach the step says so in the agreement: every rank raises, none waits on it
+                mine = step if step in usable else _CANNOT
             agreed = mine
+            cannot = None
             if self.world > 1:
                 agreed = _min_over_ranks(mine)
                 if agreed != mine and agreed >= 0 and agreed not in usable and far:
                     steps = add_far()  # another rank can reach only an older step: S3 may hold it for this one
                     usable = [s for s in steps if s not in failed]
                 if agreed != mine and agreed >= 0 and agreed not in usable:
-                    raise StepNotFoundError(f"rank {self.rank} cannot reach step {agreed} that the other ranks "
-                                            "agreed on")
+                    # a failure of this rank's, taken through the same collectives as a failed read
+                    cannot = f"rank {self.rank} cannot reach step {agreed}, the newest the other ranks can"
+            if agreed == _CANNOT:
+                if mine == _CANNOT:
+                    self._raise_not_restorable(invs, step, failed)
+                raise StepNotFoundError(f"step {step} of job {self.job!r} cannot be restored: another rank cannot "
+                                        "reach it (its error says why); nothing was restored")
             if agreed < 0:
                 if far and self.world == 1 and (failed or committed_steps(invs, self.job) or unreachable(invs)):
                     steps = add_far()  # something was committed near but is not restorable: S3 may hold it
@@ -943,6 +966,8 @@ class Checkpointer:
             if agreed in restored:  # this rank restored it already; another rank looked again elsewhere
                 reports, used = restored[agreed]
                 why = None
+            elif cannot is not None:
+                used, why = None, cannot
             else:
                 used = manifest_for(invs, self.job, agreed, skip)
                 try:

@@ -114,6 +114,7 @@ def main() -> int:
     p.add_argument("--no-spawn", action="store_true", help="use the running agent; never start one")
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--restore-only", action="store_true", help="restore the newest step, dump it, and stop")
+    p.add_argument("--restore-step", type=int, help="with --restore-only: this step, not the newest")
     p.add_argument("--out", required=True)
     p.add_argument("--replicas", type=int, default=0, help="hsdp: replica groups (default: world / 2)")
     p.add_argument("--dim", type=int, default=16, help="the model's width")
@@ -133,7 +134,7 @@ def main() -> int:
     with ckpt.Checkpointer(a.job, shm=a.shm, disk=a.disk, s3=a.s3, s3_endpoint=a.s3_endpoint,
                            s3_every=1 if a.s3 else None, spawn=not a.no_spawn) as ck:
         if a.restore_only:
-            report["restored"] = ck.restore(state)
+            report["restored"] = ck.restore(state, step=a.restore_step)
             report["tiers"] = ck.last_restore.tiers
             report["seconds"] = ck.last_restore.seconds
             report["progress"] = [state["progress"]["rank"], state["progress"]["token"].decode()]

@@ -108,7 +108,8 @@ def _torchrun(n: int, nnodes: int, port: int, shm: str, out: str, *args: str, mo
 _NODES_DEADLINE = float(os.environ.get("TIERCKPT_TEST_NODES_DEADLINE", 600))
 
 
-def _run_nodes(shms: list[str], out: str, *args: str, mode: str = "hsdp") -> None:
+def _run_nodes(shms: list[str], out: str, *args: str, mode: str = "hsdp", check: bool = True) -> list[str]:
+    """Run the job on ``len(shms)`` nodes of 2 ranks; return each node's stderr (with ``check``, all exited 0)."""
     port = free_port()
     jobs = [_torchrun(n, len(shms), port, shm, out, *args, mode=mode) for n, shm in enumerate(shms)]
 
@@ -129,7 +130,9 @@ def _run_nodes(shms: list[str], out: str, *args: str, mode: str = "hsdp") -> Non
                     k.kill()
             raise AssertionError("\n".join(f"--- node {i} ---\n{err(i)[-8000:]}" for i in range(len(jobs)))) from None
         e = err(n)
-        assert j.returncode == 0, "\n".join(ln for ln in e.splitlines() if "Error" in ln)[-3000:] or e[-3000:]
+        assert j.returncode == 0 or not check, \
+            "\n".join(ln for ln in e.splitlines() if "Error" in ln)[-3000:] or e[-3000:]
+    return [err(n) for n in range(len(jobs))]
 
 
 def _s3_shards(endpoint: str, bucket: str, step: int) -> dict[int, int]:
@@ -159,13 +162,13 @@ def _same(a: dict, b: dict) -> None:
 
 class _TwoNodes:
     """Two simulated nodes for one job: a memory folder (and a disk folder, with ``disk``; holding whole shards
-    with ``disk_whole``) each, a signed peer list on loopback, S3 on moto; ``agent(n)`` starts node ``n``'s
-    agent (``alone``: without peers)."""
+    with ``disk_whole``) each, a signed peer list on loopback, S3 on moto (none when ``s3_bucket`` is None);
+    ``agent(n)`` starts node ``n``'s agent (``alone``: without peers)."""
 
     def __init__(self, tmp_path, s3_bucket, disk: bool, disk_whole: bool = False) -> None:
         from procs import write_secret
 
-        self.endpoint, self.bucket = s3_bucket
+        self.endpoint, self.bucket = s3_bucket or (None, None)
         self.peers = tmp_path / "peers.txt"
         self.peers.write_text("".join(f"127.0.0.1:{free_port()}\n" for _ in range(2)))
         self.secret = write_secret(str(tmp_path / "secret"))
@@ -180,9 +183,10 @@ class _TwoNodes:
         disk = ["--disk", self.disks[n], "--disk-every", "1"] if self.disks else []
         if self.disk_whole:
             disk.append("--disk-whole")
+        s3 = ["--s3", f"s3://{self.bucket}/ckpt", "--s3-endpoint", self.endpoint, "--s3-every", "1"] \
+            if self.bucket else []
         return start_agent(self.shms[n], "--node-rank", str(n), *([] if alone else ["--peers", str(self.peers)]),
-                           "--secret-file", self.secret, *disk, "--s3", f"s3://{self.bucket}/ckpt",
-                           "--s3-endpoint", self.endpoint, "--s3-every", "1")
+                           "--secret-file", self.secret, *disk, *s3)
 
 
     def restore_from_s3(self, out: str, before: dict, count: int, mode: str) -> None:
@@ -347,6 +351,54 @@ def test_a_damaged_or_lost_part_on_another_nodes_disk_is_read_from_s3_never_from
         assert set(rows[r]["tiers"]) == {"s3"}, rows[r]
     for r in (0, 1):
         assert "s3" in rows[r]["tiers"] and set(rows[r]["tiers"]) <= {"disk", "s3"}, rows[r]
+
+
+def test_a_step_one_node_cannot_reach_fails_on_every_rank_with_the_reason_and_none_waits(tmp_path):
+    """FSDP + TP on two nodes (no chunk of one node's ranks is held by the other's), memory and peers only,
+    steps 1 and 2 kept. Step 1 of node 1's ranks is lost from every memory; restore(step=1) then fails on every
+    rank: node 1's ranks say what of the step is where, node 0's that another rank cannot reach it.
+    None of them waits for the others (a rank that raised alone would leave the rest in a collective until the
+    process group's timeout), and a restore of the newest step still works. Before that, agents started
+    without a peer list are refused with what to do: no node could ever commit a step."""
+    from procs import kill9
+
+    nodes = _TwoNodes(tmp_path, None, disk=False)
+    shms = nodes.shms
+    procs = [nodes.agent(0, alone=True), nodes.agent(1, alone=True)]
+    try:
+        errs = _run_nodes(shms, str(tmp_path / "alone"), "--steps", "1", mode="fsdp_tp", check=False)
+    finally:
+        for p in procs:
+            kill9(p)
+    for e in errs:
+        assert "has no peer list: no node could commit a step" in e and "--peers FILE" in e, e[-3000:]
+
+    procs = [nodes.agent(0), nodes.agent(1)]
+    try:
+        _run_nodes(shms, str(tmp_path / "saved"), "--steps", "3", mode="fsdp_tp")
+    finally:
+        for p in procs:
+            kill9(p)
+    shutil.rmtree(os.path.join(shms[1], "dedup", "step-1"))
+    held = os.listdir(os.path.join(shms[0], "dedup", "step-1"))
+    # node 0 held node 1's copies: rank 2's shard, and rank 3's head (the rest of it is rank 2's TP norms)
+    assert {"rank-2.shard", "rank-3.head"} <= set(held), held
+    for name in held:
+        if name.startswith(("rank-2.", "rank-3.")):
+            os.remove(os.path.join(shms[0], "dedup", "step-1", name))
+    procs = [nodes.agent(0), nodes.agent(1)]
+    try:
+        errs = _run_nodes(shms, str(tmp_path / "one"), "--restore-only", "--restore-step", "1", mode="fsdp_tp",
+                          check=False)
+        _run_nodes(shms, str(tmp_path / "two"), "--restore-only", mode="fsdp_tp")
+    finally:
+        for p in procs:
+            kill9(p)
+    assert "step 1 of job 'dedup' could not be restored intact" in errs[1], errs[1][-3000:]
+    assert "step 1 of job 'dedup' cannot be restored: another rank cannot reach it" in errs[0], errs[0][-3000:]
+    for r in range(4):
+        assert not os.path.exists(f"{tmp_path / 'one'}.{r}")  # no rank went on as if restored
+        assert json.loads(open(f"{tmp_path / 'two'}.{r}").read())["restored"] == 2
 
 
 # ---------------------------------------------------------------- the job's own replicas as memory redundancy
