@@ -690,12 +690,18 @@ class PeerServer:
         return entries, more
 
     async def _list(self, request: web.Request) -> web.Response:
+        return await self._listing(request, self._scan)
+
+    async def _listing(self, request: web.Request, scan: Any) -> web.Response:
+        """One page of ``scan(prefix, after)``'s keys and sizes (none when ``scan`` is None), run off the loop."""
         prefix = request.query.get("prefix", "")
         after = request.query.get("after", "")
         for name, value in (("prefix", prefix), ("after", after)):
             if len(value) > MAX_KEY_LEN or "\0" in value:
                 return _text(400, f"invalid {name} {value[:64]!r}")
-        entries, more = await asyncio.get_running_loop().run_in_executor(self._pool, self._scan, prefix, after)
+        if scan is None:
+            return web.json_response([], headers={H_MORE: "0"})
+        entries, more = await asyncio.get_running_loop().run_in_executor(self._pool, scan, prefix, after)
         return web.json_response(entries, headers={H_MORE: "1" if more else "0"})
 
     async def _get(self, request: web.Request) -> web.StreamResponse:
@@ -762,15 +768,7 @@ class PeerServer:
         return entries, False
 
     async def _disk_list(self, request: web.Request) -> web.Response:
-        prefix = request.query.get("prefix", "")
-        after = request.query.get("after", "")
-        for name, value in (("prefix", prefix), ("after", after)):
-            if len(value) > MAX_KEY_LEN or "\0" in value:
-                return _text(400, f"invalid {name} {value[:64]!r}")
-        if self.disk is None:
-            return web.json_response([], headers={H_MORE: "0"})
-        entries, more = await asyncio.get_running_loop().run_in_executor(self._pool, self._disk_scan, prefix, after)
-        return web.json_response(entries, headers={H_MORE: "1" if more else "0"})
+        return await self._listing(request, self._disk_scan if self.disk is not None else None)
 
     async def _disk_get(self, request: web.Request) -> web.StreamResponse:
         key = self._disk_key(request)

@@ -113,6 +113,15 @@ def kill_torchrun(proc: subprocess.Popen) -> None:
     proc.wait(30)
 
 
+def flip_byte(path: str, at: int) -> None:
+    """Flip bits of the byte at offset ``at`` of the file ``path`` in place (damage a stored copy)."""
+    with open(path, "r+b") as f:
+        f.seek(at)
+        b = f.read(1)
+        f.seek(at)
+        f.write(bytes([b[0] ^ 0x5A]))
+
+
 def kill9(proc: subprocess.Popen) -> None:
     proc.send_signal(signal.SIGKILL)
     proc.wait(30)

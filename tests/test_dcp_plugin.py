@@ -27,7 +27,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 import ckpt
 from ckpt._dcp import step_of
 from tiers.keys import MAX_STEP
-from procs import HERE, ckpt_cmd, env, losses, read_events, start_agent, write_secret
+from procs import HERE, ckpt_cmd, env, flip_byte, losses, read_events, start_agent, write_secret
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
@@ -198,14 +198,6 @@ def test_unknown_step_and_job_raise_step_not_found(tmp_path):
         assert "job 'other' has no step complete" in str(e.value)
 
 
-def _flip(path: str, at: int) -> None:
-    with open(path, "r+b") as f:
-        f.seek(at)
-        b = f.read(1)
-        f.seek(at)
-        f.write(bytes([b[0] ^ 0x01]))
-
-
 def test_damaged_memory_shard_is_read_from_disk_and_with_no_intact_copy_load_fails_cleanly(tmp_path):
     shm, disk = str(tmp_path / "shm"), str(tmp_path / "disk")
     saved = {"w": torch.randn(256), "blob": b"position-17"}
@@ -214,13 +206,13 @@ def test_damaged_memory_shard_is_read_from_disk_and_with_no_intact_copy_load_fai
         w.wait()
         mem = os.path.join(shm, "dmg", "step-2", "rank-0.shard")
         [on_disk] = glob.glob(os.path.join(disk, "**", "rank-0.shard*"), recursive=True)
-        _flip(mem, 100)
+        flip_byte(mem, 100)
         got = {"w": torch.zeros(256), "blob": b""}
         reader = w.reader(rewind=False)
         dcp.load(got, storage_reader=reader)
         assert torch.equal(got["w"], saved["w"]) and got["blob"] == saved["blob"]
         assert [r.tier for r in reader.reports] == ["disk"]
-        _flip(on_disk, 100 if not on_disk.endswith(("zst", "lz4")) else 10)
+        flip_byte(on_disk, 100 if not on_disk.endswith(("zst", "lz4")) else 10)
         before = {"w": torch.full((256,), 5.0), "blob": b"old"}
         with pytest.raises(CheckpointException) as e:
             dcp.load(before, storage_reader=w.reader(rewind=False), checkpoint_id=2)

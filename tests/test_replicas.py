@@ -17,7 +17,7 @@ import sys
 
 import pytest
 
-from procs import env
+from procs import env, flip_byte
 from s3util import free_port
 
 pytestmark = pytest.mark.e2e
@@ -188,21 +188,26 @@ class _TwoNodes:
         return start_agent(self.shms[n], "--node-rank", str(n), *([] if alone else ["--peers", str(self.peers)]),
                            "--secret-file", self.secret, *disk, *s3)
 
+    def run(self, out: str, *args: str, count: int = 2, alone: bool = False, mode: str = "hsdp",
+            check: bool = True) -> list[str]:
+        """Start the first ``count`` nodes' agents, run the job on those nodes (``_run_nodes``), kill the agents;
+        return each node's stderr."""
+        from procs import kill9
+
+        procs = [self.agent(n, alone=alone) for n in range(count)]
+        try:
+            return _run_nodes(self.shms[:count], out, *args, mode=mode, check=check)
+        finally:
+            for p in procs:
+                kill9(p)
 
     def restore_from_s3(self, out: str, before: dict, count: int, mode: str) -> None:
         """Both nodes' folders wiped, ``count`` nodes' ranks restore the newest step (2) from S3 alone and
         match ``before`` bit for bit (with 2 ranks, one replica group: rank 0's whole tensors); with every node
         back, each rank gets its own values."""
-        from procs import kill9
-
         for n in range(count):
             shutil.rmtree(os.path.dirname(self.shms[n]), ignore_errors=True)
-        procs = [self.agent(n, alone=count == 1) for n in range(count)]
-        try:
-            _run_nodes(self.shms[:count], out, "--restore-only", mode=mode)
-        finally:
-            for p in procs:
-                kill9(p)
+        self.run(out, "--restore-only", count=count, alone=count == 1, mode=mode)
         for r in range(2 * count):
             row = json.loads(open(f"{out}.{r}").read())
             assert row["restored"] == 2 and set(row["tiers"]) == {"s3"}, row
@@ -213,18 +218,11 @@ class _TwoNodes:
 
 def test_hsdp_on_two_nodes_writes_each_chunk_once_to_disk_and_s3_and_restores_from_each_bit_exact(tmp_path,
                                                                                                   s3_bucket):
-    from procs import kill9
-
     nodes = _TwoNodes(tmp_path, s3_bucket, disk=True)
     endpoint, bucket, shms, disks = nodes.endpoint, nodes.bucket, nodes.shms, nodes.disks
 
-    procs = [nodes.agent(0), nodes.agent(1)]
     saved = str(tmp_path / "saved")
-    try:
-        _run_nodes(shms, saved, "--steps", "3")
-    finally:
-        for p in procs:
-            kill9(p)
+    nodes.run(saved, "--steps", "3")
     rows = [json.loads(open(f"{saved}.{r}").read()) for r in range(4)]
     memory = {row["rank"]: row["shard_size"] for row in rows}
     durable = {row["rank"]: row["durable"] if row["durable"] is not None else row["shard_size"] for row in rows}
@@ -253,13 +251,8 @@ def test_hsdp_on_two_nodes_writes_each_chunk_once_to_disk_and_s3_and_restores_fr
     # part from its own disk and its replica's chunks from the other node's disk, bit-exact, not from S3
     for n in (0, 1):
         shutil.rmtree(shms[n])
-    procs = [nodes.agent(0), nodes.agent(1)]
     again = str(tmp_path / "from-disk")
-    try:
-        _run_nodes(shms, again, "--restore-only")
-    finally:
-        for p in procs:
-            kill9(p)
+    nodes.run(again, "--restore-only")
     for r in range(4):
         row = json.loads(open(f"{again}.{r}").read())
         assert row["restored"] == 2 and set(row["tiers"]) == {"disk", "peer-disk"}, row
@@ -288,14 +281,6 @@ def test_hsdp_on_two_nodes_writes_each_chunk_once_to_disk_and_s3_and_restores_fr
             assert torch.equal(exported["model"][name[len("param/"):]], t), name
 
 
-def _flip(path: str, offset: int) -> None:
-    with open(path, "r+b") as f:
-        f.seek(offset)
-        b = f.read(1)
-        f.seek(offset)
-        f.write(bytes([b[0] ^ 0x5A]))
-
-
 def test_a_damaged_or_lost_part_on_another_nodes_disk_is_read_from_s3_never_from_an_older_step(tmp_path,
                                                                                                 s3_bucket):
     """HSDP 2 x 2, each chunk once across the two nodes' disks, S3 holding the same. Both nodes restart without
@@ -304,35 +289,24 @@ def test_a_damaged_or_lost_part_on_another_nodes_disk_is_read_from_s3_never_from
     S3, ranks 1 and 3 only the disks. Then node 1's disk is gone too (a replaced drive): node 1's ranks find
     nothing near and node 0's cannot complete the step from the disks; all of them restore step 2 from S3 (and
     node 0's disk), never step 1, which every tier also holds."""
-    from procs import kill9
     from tiers.keys import manifest_key
     from tiers.manifest import Manifest
 
     nodes = _TwoNodes(tmp_path, s3_bucket, disk=True)
     shms, disks = nodes.shms, nodes.disks
-    procs = [nodes.agent(0), nodes.agent(1)]
     saved = str(tmp_path / "saved")
-    try:
-        _run_nodes(shms, saved, "--steps", "3")
-    finally:
-        for p in procs:
-            kill9(p)
+    nodes.run(saved, "--steps", "3")
     before = _dumps(saved, range(4))
     view = Manifest.from_bytes(open(os.path.join(disks[1], *manifest_key("dedup", 2).split("/")), "rb").read())
     assert "durable_of" in view.metadata
     part = os.path.join(disks[1], "dedup", "step-2", "rank-2.shard")
     assert os.path.getsize(part) == view.shard(2).size
-    _flip(part, view.shard(2).size - 1)
+    flip_byte(part, view.shard(2).size - 1)
 
     def restore(out: str) -> list[dict]:
         for n in (0, 1):
             shutil.rmtree(shms[n], ignore_errors=True)
-        procs = [nodes.agent(0), nodes.agent(1)]
-        try:
-            _run_nodes(shms, out, "--restore-only")
-        finally:
-            for p in procs:
-                kill9(p)
+        nodes.run(out, "--restore-only")
         rows = [json.loads(open(f"{out}.{r}").read()) for r in range(4)]
         for r, row in enumerate(rows):
             assert row["restored"] == 2 and row["progress"] == [r, f"rank-{r}"], row
@@ -364,21 +338,11 @@ def test_a_step_one_node_cannot_reach_fails_on_every_rank_with_the_reason_and_no
 
     nodes = _TwoNodes(tmp_path, None, disk=False)
     shms = nodes.shms
-    procs = [nodes.agent(0, alone=True), nodes.agent(1, alone=True)]
-    try:
-        errs = _run_nodes(shms, str(tmp_path / "alone"), "--steps", "1", mode="fsdp_tp", check=False)
-    finally:
-        for p in procs:
-            kill9(p)
+    errs = nodes.run(str(tmp_path / "alone"), "--steps", "1", mode="fsdp_tp", check=False, alone=True)
     for e in errs:
         assert "has no peer list: no node could commit a step" in e and "--peers FILE" in e, e[-3000:]
 
-    procs = [nodes.agent(0), nodes.agent(1)]
-    try:
-        _run_nodes(shms, str(tmp_path / "saved"), "--steps", "3", mode="fsdp_tp")
-    finally:
-        for p in procs:
-            kill9(p)
+    nodes.run(str(tmp_path / "saved"), "--steps", "3", mode="fsdp_tp")
     shutil.rmtree(os.path.join(shms[1], "dedup", "step-1"))
     held = os.listdir(os.path.join(shms[0], "dedup", "step-1"))
     # node 0 held node 1's copies: rank 2's shard, and rank 3's head (the rest of it is rank 2's TP norms)
