@@ -1022,8 +1022,9 @@ class Checkpointer:
             log.warning("restored step %d of %s without looking in tier(s) that could not be reached, which may "
                         "hold a newer step: %s", agreed, self.job, "; ".join(down))
         self.last_restore = RestoreReport(agreed, reports, time.perf_counter() - t0, passed_over, down)
-        if used is not None and used.world == self.world:
+        if used is not None and used.world == self.world and "durable_of" not in used.metadata:
             # the next save stages as many bytes as this shard holds: its slot is leased and faulted in now
+            # (a shared tier's view names each rank's durable part, not its whole shard: no size to lease)
             self._lease_ahead(used.shard(self.rank).size)
         log.info("rank %d restored %s step %d from %s in %.3f s", self.rank, self.job, agreed,
                  ", ".join(sorted({r.tier for r in reports})) or "nowhere", self.last_restore.seconds)
