@@ -296,7 +296,8 @@ class PeerServer:
     ``max_pending``: connections not yet authenticated, all sources together
     (past it the oldest of the source holding the most is closed);
     ``auth_timeout``: seconds a connection has to deliver its first request
-    head. ``disk``: this node's disk tier, served read-only to the peers (None: its listing is empty). A client that dribbles its request is cut by the keep-alive timer
+    head. ``disk``: this node's disk tier, served read-only to the peers
+    (None: its listing is empty). A client that dribbles its request is cut by the keep-alive timer
     (``keepalive_timeout`` seconds without a completed request).
 
     Call order: ``await start()`` once, then ``await stop()`` once. Raises
@@ -673,21 +674,25 @@ class PeerServer:
         return web.json_response({"node": self.node, "version": WIRE_VERSION, "time": time.time(),
                                   "bytes_held": held, "objects": count})
 
-    def _scan(self, prefix: str, after: str) -> tuple[list[list[Any]], bool]:
+    @staticmethod
+    def _page(listed: Iterable[str], size_of: Callable[[str], int], after: str) -> tuple[list[list[Any]], bool]:
+        """Up to MAX_LIST_KEYS ``[key, size]`` of the shard and layout keys in ``listed`` after ``after``, and
+        whether more follow."""
         entries: list[list[Any]] = []
-        more = False
-        for key in self.memory.list(prefix):
+        for key in listed:
             if key <= after or (keys.parse_key(key) is None and keys.parse_layout_key(key) is None):
                 continue
             try:
-                st = os.stat(self.memory.path(key))
-            except OSError:
-                continue  # deleted since it was listed
+                size = size_of(key)
+            except (OSError, TierError):
+                continue  # deleted (or unreadable) since it was listed
             if len(entries) == MAX_LIST_KEYS:
-                more = True
-                break
-            entries.append([key, st.st_size])
-        return entries, more
+                return entries, True
+            entries.append([key, size])
+        return entries, False
+
+    def _scan(self, prefix: str, after: str) -> tuple[list[list[Any]], bool]:
+        return self._page(self.memory.list(prefix), lambda key: os.stat(self.memory.path(key)).st_size, after)
 
     async def _list(self, request: web.Request) -> web.Response:
         return await self._listing(request, self._scan)
@@ -706,13 +711,18 @@ class PeerServer:
 
     async def _get(self, request: web.Request) -> web.StreamResponse:
         key = self._key(request, index=True)
-        path = self.memory.path(key)
+        resp = self._file_response(request, key, self.memory.path(key))
+        return resp if resp is not None else _text(404, f"{key} is not held by node {self.node}")
+
+    def _file_response(self, request: web.Request, key: str, path: str) -> web.StreamResponse | None:
+        """The file ``path`` as ``key``'s answer (ranged, or 416 for a Range it cannot serve); None when there is
+        no such regular file."""
         try:
             st = os.stat(path)
         except FileNotFoundError:
-            st = None
-        if st is None or not stat.S_ISREG(st.st_mode):
-            return _text(404, f"{key} is not held by node {self.node}")
+            return None
+        if not stat.S_ISREG(st.st_mode):
+            return None
         refused = self._range_problem(request, key, st.st_size)
         if refused is not None:
             return refused
@@ -753,19 +763,9 @@ class PeerServer:
         return key
 
     def _disk_scan(self, prefix: str, after: str) -> tuple[list[list[Any]], bool]:
-        assert self.disk is not None
-        entries: list[list[Any]] = []
-        for key in self.disk.list(prefix):
-            if key <= after or (keys.parse_key(key) is None and keys.parse_layout_key(key) is None):
-                continue
-            try:
-                size = self.disk.stat(key).size
-            except (OSError, TierError):
-                continue  # deleted (or unreadable) since it was listed
-            if len(entries) == MAX_LIST_KEYS:
-                return entries, True
-            entries.append([key, size])
-        return entries, False
+        disk = self.disk
+        assert disk is not None
+        return self._page(disk.list(prefix), lambda key: disk.stat(key).size, after)
 
     async def _disk_list(self, request: web.Request) -> web.Response:
         return await self._listing(request, self._disk_scan if self.disk is not None else None)
@@ -776,16 +776,9 @@ class PeerServer:
         if self.disk is None:
             return _text(404, f"{key}: node {self.node} has no disk tier")
         plain = await loop.run_in_executor(self._pool, self.disk.local_file, key)
-        if plain is not None:
-            try:
-                st = os.stat(plain)
-            except FileNotFoundError:
-                st = None
-            if st is not None and stat.S_ISREG(st.st_mode):
-                refused = self._range_problem(request, key, st.st_size)
-                if refused is not None:
-                    return refused
-                return web.FileResponse(plain, headers={H_MTIME: repr(st.st_mtime)})
+        resp = None if plain is None else self._file_response(request, key, plain)
+        if resp is not None:
+            return resp
         try:
             info = await loop.run_in_executor(self._pool, self.disk.stat, key)
         except KeyNotFoundError:

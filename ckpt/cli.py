@@ -164,7 +164,8 @@ def cmd_agent(a: argparse.Namespace) -> int:
 
     extra = {"disk_every": a.disk_every, "s3_every": a.s3_every, "keep_memory": a.keep_memory,
              "keep_disk": a.keep_disk, "keep_s3": a.keep_s3, "compress": True if a.compress else None,
-             "disk_whole": True if a.disk_whole else None, "node_rank": a.node_rank, "peers": a.peers, "secret_file": a.secret_file, "replicas": a.replicas,
+             "disk_whole": True if a.disk_whole else None, "node_rank": a.node_rank, "peers": a.peers,
+             "secret_file": a.secret_file, "replicas": a.replicas,
              "placement": a.placement, "peer_bandwidth": a.peer_bandwidth, "heartbeat": a.heartbeat,
              "dead_after": a.dead_after, "tls_cert": a.tls_cert, "tls_key": a.tls_key, "tls_ca": a.tls_ca,
              "prefetch": a.prefetch}

@@ -17,7 +17,7 @@ import sys
 
 import pytest
 
-from procs import env, flip_byte
+from procs import env, flip_byte, kill_torchrun
 from s3util import free_port
 
 pytestmark = pytest.mark.e2e
@@ -100,9 +100,10 @@ def _torchrun(n: int, nnodes: int, port: int, shm: str, out: str, *args: str, mo
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nnodes), "--node-rank", str(n),
            "--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port", str(port), JOB,
            "--mode", mode, "--job", "dedup", "--shm", shm, "--no-spawn", "--out", out, *args]
-    # stderr to a file: torchrun's workers keep it open after torchrun itself is gone
+    # stderr to a file: torchrun's workers keep it open after torchrun itself is gone; a session of its own for
+    # kill_torchrun
     with open(f"{out}.node{n}.err", "w") as err:
-        return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err, env=env())
+        return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err, env=env(), start_new_session=True)
 
 
 _NODES_DEADLINE = float(os.environ.get("TIERCKPT_TEST_NODES_DEADLINE", 600))
@@ -120,14 +121,9 @@ def _run_nodes(shms: list[str], out: str, *args: str, mode: str = "hsdp", check:
     for n, j in enumerate(jobs):
         try:
             j.wait(timeout=_NODES_DEADLINE)
-        except subprocess.TimeoutExpired:  # a hang: torchrun ends its workers on SIGTERM; every node's log says where
+        except subprocess.TimeoutExpired:  # a hang: every node's log says where
             for k in jobs:
-                k.terminate()
-            for k in jobs:
-                try:
-                    k.wait(timeout=120)
-                except subprocess.TimeoutExpired:
-                    k.kill()
+                kill_torchrun(k)
             raise AssertionError("\n".join(f"--- node {i} ---\n{err(i)[-8000:]}" for i in range(len(jobs)))) from None
         e = err(n)
         assert j.returncode == 0 or not check, \

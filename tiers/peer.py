@@ -538,7 +538,8 @@ class PeerTier(TierBase):
         n = sum(len(v) for v in views)
 
         def attempt(conn: http.client.HTTPConnection) -> int:
-            resp = self._exchange(conn, "GET", self._OBJECTS + key, headers={"Range": f"bytes={offset}-{offset + n - 1}"})
+            resp = self._exchange(conn, "GET", self._OBJECTS + key,
+                                  headers={"Range": f"bytes={offset}-{offset + n - 1}"})
             if resp.status == 416:
                 total = self._total(resp)
                 self._discard(resp)
