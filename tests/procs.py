@@ -90,7 +90,10 @@ def start_agent(shm: str, *args: str, log: str | None = None, extra_env: dict | 
             c.close()
             return proc
         if proc.poll() is not None:
-            raise AssertionError(f"agent exited with {proc.returncode}; log: {logf.name}")
+            logf.close()
+            with open(log, errors="replace") as f:
+                tail = f.read()[-3000:]
+            raise AssertionError(f"agent exited with {proc.returncode}; log {log} ends:\n{tail}")
         time.sleep(0.05)
     proc.kill()
     raise AssertionError("agent did not come up within 30 s")

@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import os
+import random
 import re
 import socket
 import struct
@@ -36,9 +37,41 @@ FAKE_AWS_ENV = {
 }
 
 
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            lo, hi = (int(x) for x in f.read().split())
+        return lo, hi
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
+
+
+_handed_out: set[int] = set()
+_ports = random.Random(os.getpid() ^ time.monotonic_ns())
+
+
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago."""
-    with socket.socket() as s:
+    """A TCP port on 127.0.0.1 that was free a moment ago, for a server a test starts later.
+
+    A port the kernel picks for ``bind(0)`` lies in the ephemeral range, where any outgoing connection (a boto3
+    client to moto, one agent to another) may take it as its source port before the server binds it: the server
+    then fails with "address in use". So the port is drawn below the ephemeral range, where only listeners go,
+    and never handed out twice by this process.
+    """
+    lo, _ = _ephemeral_range()
+    if lo > 11000:
+        for _ in range(200):
+            port = _ports.randrange(10000, lo)
+            if port in _handed_out:
+                continue
+            with socket.socket() as s:
+                try:
+                    s.bind(("127.0.0.1", port))
+                except OSError:
+                    continue
+            _handed_out.add(port)
+            return port
+    with socket.socket() as s:  # no room below the ephemeral range: the kernel's pick
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
