@@ -58,7 +58,7 @@ from agents.launch import connect_or_spawn, wait_stopped
 from agents.replication import placement_partners
 from agents.protocol import AgentClient, AgentError, AgentUnreachableError
 from agents.tierset import disk_tier, memory_tier, peer_disk_tiers, peer_tiers, s3_tier
-from recovery import ShardReport, node_costs, plan_restore, scan_tiers
+from recovery import ShardReport, node_costs, plan_restore, replica_nodes, scan_tiers
 from recovery.fetch import ShardUnavailableError
 from recovery.inventory import TierInventory
 from recovery.planner import (RestoreError, StepNotFoundError, committed_steps, describe_step, manifest_for,
@@ -346,6 +346,19 @@ class Checkpointer:
         out += peer_tiers(self.settings, only=placement_partners(self.settings))
         disk = disk_tier(self.settings)
         return out + ([disk] if disk is not None else [])
+
+    def _scan_near(self) -> list[TierInventory]:
+        """List the near tiers, then the memory of the nodes running this rank's data-parallel replicas when
+        the rank's own shard of a listed step is in no memory listed (its node lost it): the placement
+        partners hold its unique part, those nodes the rest (a few nodes, never the whole job)."""
+        invs = scan_tiers(self._near_tiers(), self.job)
+        listed = placement_partners(self.settings) | {self.settings.node_rank}
+        more = replica_nodes(invs, self.job, self.rank) - listed
+        if more:
+            log.info("rank %d: its shard is in no memory listed; looking in the memory of its replicas' "
+                     "node(s) %s", self.rank, sorted(more))
+            invs += scan_tiers(peer_tiers(self.settings, only=more), self.job)
+        return invs
 
     def _far_tiers(self) -> list[Tier]:
         s3 = s3_tier(self.settings, retry_deadline=min(self.settings.s3_retry_deadline, 30.0))
@@ -868,7 +881,8 @@ class Checkpointer:
         """The newest step complete in any tier this rank can reach, or None."""
         from recovery.planner import complete_steps
 
-        steps = complete_steps(scan_tiers(self.tiers(), self.job), self.job, [self.rank], replicas=True)
+        invs = self._scan_near() + scan_tiers(self._far_tiers(), self.job)
+        steps = complete_steps(invs, self.job, [self.rank], replicas=True)
         return steps[-1] if steps else None
 
     def restore(self, state: dict, step: int | None = None, *, keep_state: bool = True) -> int | None:
@@ -907,7 +921,7 @@ class Checkpointer:
         from recovery.planner import complete_steps
 
         # memory, peers and disk first; S3 (a client to create, a prefix to list) only when it may matter
-        invs = scan_tiers(self._near_tiers(), self.job)
+        invs = self._scan_near()
         steps = complete_steps(invs, self.job, [self.rank], replicas=True)
         far = self.settings.s3 is not None
 

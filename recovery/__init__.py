@@ -17,6 +17,7 @@ from .planner import (
     StepNotFoundError,
     complete_steps,
     plan_restore,
+    replica_nodes,
 )
 
 __all__ = [
@@ -37,6 +38,7 @@ __all__ = [
     "node_costs",
     "open_shard",
     "plan_restore",
+    "replica_nodes",
     "read_manifest",
     "scan_tier",
     "scan_tiers",

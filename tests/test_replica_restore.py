@@ -16,7 +16,7 @@ import torch
 from ckpt._load import ShardLoader, StateMismatchError
 from recovery import scan_tiers
 from recovery.fetch import ShardUnavailableError
-from recovery.planner import StepNotFoundError, complete_steps, plan_restore
+from recovery.planner import StepNotFoundError, complete_steps, plan_restore, replica_nodes
 from tiers import keys
 from tiers.checksum import checksum_bytes
 from tiers.disk import DiskTier
@@ -96,6 +96,24 @@ def test_without_disk_the_step_is_complete_only_through_the_replicas(places):
     assert complete_steps(invs, JOB, [0]) == [] and complete_steps(invs, JOB, [0], replicas=True) == [STEP]
     with pytest.raises(StepNotFoundError):
         plan_restore(invs, JOB, STEP, [0])
+
+
+def test_the_replicas_nodes_are_looked_in_only_for_a_rank_whose_shard_is_in_no_memory(places):
+    """A rank's node lost its memory: its replicas' nodes (by ``ShardInfo.node``) are the ones to list, even
+    when the places listed so far (its own memory and disk) do not include them; a rank whose shard is in
+    memory, or that holds nothing replicated, needs no other node."""
+    mem0, mem1, disk0, m = places
+    assert replica_nodes(scan_tiers([mem0, disk0], JOB), JOB, 0) == {1}
+    assert replica_nodes(scan_tiers([mem0, mem1, disk0], JOB), JOB, 1) == set()  # rank 1's shard: node 1
+    mem0.put(keys.shard_key(JOB, STEP, 0), disk0.get(keys.shard_key(JOB, STEP, 0)))
+    assert replica_nodes(scan_tiers([mem0, disk0], JOB), JOB, 0) == set()
+    mem0.put(keys.shard_key(JOB, STEP, 0), b"cut short")  # a copy of the wrong size is no copy
+    assert replica_nodes(scan_tiers([mem0, disk0], JOB), JOB, 0) == {1}
+    alone = Manifest(JOB, STEP + 1, 2, tuple(ShardInfo(r.rank, r.size, r.checksum, r.entries, r.node, r.layout)
+                                             for r in m.shards))
+    t = MemoryTier(str(mem0.root) + "-alone")
+    t.put(keys.manifest_key(JOB, STEP + 1), alone.to_bytes())
+    assert replica_nodes(scan_tiers([t], JOB), JOB, 0) == set()  # no replicated chunk: nothing to look for
 
 
 def test_no_head_anywhere_means_no_route(places):

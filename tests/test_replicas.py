@@ -95,10 +95,10 @@ def test_fsdp_tp_replicated_norms_and_biases_are_named_for_their_tp_pair_only(tm
 
 
 # ---------------------------------------------------------------- the shared tier holds every chunk once
-def _torchrun(n: int, nnodes: int, port: int, shm: str, out: str, *args: str, mode: str = "hsdp"
-              ) -> subprocess.Popen:
+def _torchrun(n: int, nnodes: int, port: int, shm: str, out: str, *args: str, mode: str = "hsdp",
+              per_node: int = 2) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nnodes), "--node-rank", str(n),
-           "--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port", str(port), JOB,
+           "--nproc-per-node", str(per_node), "--master-addr", "127.0.0.1", "--master-port", str(port), JOB,
            "--mode", mode, "--job", "dedup", "--shm", shm, "--no-spawn", "--out", out, *args]
     # stderr to a file: torchrun's workers keep it open after torchrun itself is gone; a session of its own for
     # kill_torchrun
@@ -109,10 +109,13 @@ def _torchrun(n: int, nnodes: int, port: int, shm: str, out: str, *args: str, mo
 _NODES_DEADLINE = float(os.environ.get("TIERCKPT_TEST_NODES_DEADLINE", 600))
 
 
-def _run_nodes(shms: list[str], out: str, *args: str, mode: str = "hsdp", check: bool = True) -> list[str]:
-    """Run the job on ``len(shms)`` nodes of 2 ranks; return each node's stderr (with ``check``, all exited 0)."""
+def _run_nodes(shms: list[str], out: str, *args: str, mode: str = "hsdp", check: bool = True,
+               per_node: int = 2) -> list[str]:
+    """Run the job on ``len(shms)`` nodes of ``per_node`` ranks; return each node's stderr (with ``check``, all
+    exited 0)."""
     port = free_port()
-    jobs = [_torchrun(n, len(shms), port, shm, out, *args, mode=mode) for n, shm in enumerate(shms)]
+    jobs = [_torchrun(n, len(shms), port, shm, out, *args, mode=mode, per_node=per_node)
+            for n, shm in enumerate(shms)]
 
     def err(n: int) -> str:
         with open(f"{out}.node{n}.err") as f:
@@ -156,20 +159,20 @@ def _same(a: dict, b: dict) -> None:
         assert torch.equal(a[k], b[k]), k
 
 
-class _TwoNodes:
-    """Two simulated nodes for one job: a memory folder (and a disk folder, with ``disk``; holding whole shards
-    with ``disk_whole``) each, a signed peer list on loopback, S3 on moto (none when ``s3_bucket`` is None);
-    ``agent(n)`` starts node ``n``'s agent (``alone``: without peers)."""
+class _Nodes:
+    """Simulated nodes (``nodes``, two by default) for one job: a memory folder (and a disk folder, with ``disk``; holding
+    whole shards with ``disk_whole``) each, a signed peer list on loopback, S3 on moto (none when ``s3_bucket``
+    is None); ``agent(n)`` starts node ``n``'s agent (``alone``: without peers)."""
 
-    def __init__(self, tmp_path, s3_bucket, disk: bool, disk_whole: bool = False) -> None:
+    def __init__(self, tmp_path, s3_bucket, disk: bool, disk_whole: bool = False, nodes: int = 2) -> None:
         from procs import write_secret
 
         self.endpoint, self.bucket = s3_bucket or (None, None)
         self.peers = tmp_path / "peers.txt"
-        self.peers.write_text("".join(f"127.0.0.1:{free_port()}\n" for _ in range(2)))
+        self.peers.write_text("".join(f"127.0.0.1:{free_port()}\n" for _ in range(nodes)))
         self.secret = write_secret(str(tmp_path / "secret"))
-        self.shms = [str(tmp_path / f"node{n}" / "shm") for n in (0, 1)]
-        self.disks = [str(tmp_path / f"node{n}" / "disk") for n in (0, 1)] if disk else None
+        self.shms = [str(tmp_path / f"node{n}" / "shm") for n in range(nodes)]
+        self.disks = [str(tmp_path / f"node{n}" / "disk") for n in range(nodes)] if disk else None
         self.disk_whole = disk_whole
 
     def agent(self, n: int, alone: bool = False):
@@ -214,7 +217,7 @@ class _TwoNodes:
 
 def test_hsdp_on_two_nodes_writes_each_chunk_once_to_disk_and_s3_and_restores_from_each_bit_exact(tmp_path,
                                                                                                   s3_bucket):
-    nodes = _TwoNodes(tmp_path, s3_bucket, disk=True)
+    nodes = _Nodes(tmp_path, s3_bucket, disk=True)
     endpoint, bucket, shms, disks = nodes.endpoint, nodes.bucket, nodes.shms, nodes.disks
 
     saved = str(tmp_path / "saved")
@@ -288,7 +291,7 @@ def test_a_damaged_or_lost_part_on_another_nodes_disk_is_read_from_s3_never_from
     from tiers.keys import manifest_key
     from tiers.manifest import Manifest
 
-    nodes = _TwoNodes(tmp_path, s3_bucket, disk=True)
+    nodes = _Nodes(tmp_path, s3_bucket, disk=True)
     shms, disks = nodes.shms, nodes.disks
     saved = str(tmp_path / "saved")
     nodes.run(saved, "--steps", "3")
@@ -332,7 +335,7 @@ def test_a_step_one_node_cannot_reach_fails_on_every_rank_with_the_reason_and_no
     without a peer list are refused with what to do: no node could ever commit a step."""
     from procs import kill9
 
-    nodes = _TwoNodes(tmp_path, None, disk=False)
+    nodes = _Nodes(tmp_path, None, disk=False)
     shms = nodes.shms
     errs = nodes.run(str(tmp_path / "alone"), "--steps", "1", mode="fsdp_tp", check=False, alone=True)
     for e in errs:
@@ -370,7 +373,7 @@ def test_hsdp_node_lost_restores_from_its_replicas_memory_and_peers_hold_only_un
     their own values, reading no disk and no S3 although both hold the step."""
     from procs import kill9
 
-    nodes = _TwoNodes(tmp_path, s3_bucket, disk=True)
+    nodes = _Nodes(tmp_path, s3_bucket, disk=True)
     shms, agent = nodes.shms, nodes.agent
 
     procs = [agent(0), agent(1)]
@@ -413,6 +416,41 @@ def test_hsdp_node_lost_restores_from_its_replicas_memory_and_peers_hold_only_un
         _same(before[r], after[r])
 
 
+def test_hsdp_on_four_nodes_restores_a_lost_node_from_the_replica_node_that_is_not_its_placement_partner(
+        tmp_path):
+    """HSDP 2 x 2 on four nodes of one rank each, memory only (no disk, no S3): rank 0's data-parallel replica
+    (rank 2) runs on node 2, while the placement puts node 0's copies on node 1 (groups {0, 1}, {2, 3}). Node 1
+    therefore holds rank 0's unique part and node 2 the rest of its state. Node 0 is lost with its memory: rank
+    0 restores from node 1's head and node 2's replica, bit-exact, and the other ranks from their own memory;
+    no disk or S3 exists to fall back on."""
+    from procs import kill9
+
+    nodes = _Nodes(tmp_path, None, disk=False, nodes=4)
+    shms = nodes.shms
+    procs = [nodes.agent(n) for n in range(4)]
+    saved, again = str(tmp_path / "saved"), str(tmp_path / "again")
+    try:
+        _run_nodes(shms, saved, "--steps", "3", per_node=1)
+        folder = os.path.join(shms[1], "dedup", "step-2")
+        held = sorted(os.listdir(folder))
+        assert "rank-0.head" in held and "rank-0.shard" not in held, held
+        assert "rank-2.shard" in os.listdir(os.path.join(shms[2], "dedup", "step-2"))
+        kill9(procs[0])
+        shutil.rmtree(os.path.dirname(shms[0]))
+        procs[0] = nodes.agent(0)
+        _run_nodes(shms, again, "--restore-only", per_node=1)
+    finally:
+        for p in procs:
+            kill9(p)
+    before, after = _dumps(saved, range(4)), _dumps(again, range(4))
+    for r in range(4):
+        row = json.loads(open(f"{again}.{r}").read())
+        assert row["restored"] == 2, row
+        assert set(row["tiers"]) == ({"replicas"} if r == 0 else {"memory"}), row
+        assert row["progress"] == [r, f"rank-{r}"], row
+        _same(before[r], after[r])
+
+
 def test_fsdp_tp_writes_tp_replicated_tensors_once_to_s3_and_restores_resharded(tmp_path, s3_bucket):
     """2-D FSDP + TP on 4 ranks over two nodes (a TP pair per node): the norms and the row-wise bias, whole on
     both TP ranks, reach S3 once; every rank's S3 shard is its durable part. The TP pair shares a node, so its
@@ -422,7 +460,7 @@ def test_fsdp_tp_writes_tp_replicated_tensors_once_to_s3_and_restores_resharded(
     The agents keep whole shards on disk (``--disk-whole``): there, TP-replicated tensors are on both ranks'."""
     from procs import kill9
 
-    nodes = _TwoNodes(tmp_path, s3_bucket, disk=True, disk_whole=True)
+    nodes = _Nodes(tmp_path, s3_bucket, disk=True, disk_whole=True)
     endpoint, bucket, shms, agent = nodes.endpoint, nodes.bucket, nodes.shms, nodes.agent
 
     procs = [agent(0), agent(1)]
