@@ -110,8 +110,11 @@ def kept(state: dict):
         raise
 
 
-def values_rank(plan: RestorePlan, rank: int, names: Any) -> int:
+def values_rank(plan: RestorePlan, rank: int, names: Any, world: int | None = None) -> int:
     """The saved rank whose JSON and bytes values ``rank`` restores when the world size changed.
+
+    ``rank`` itself when ``world`` (the restoring job's size) is the saved one: its own row holds its values in
+    any manifest of the step, a shared tier's view included, whatever tensors it wrote.
 
     The first of the same rank (if the checkpoint had it), then ranks 0, 1, … whose shard holds the most of
     this rank's tensors (``names``) by name. With data or FSDP parallelism every shard holds every name, so
@@ -119,6 +122,8 @@ def values_rank(plan: RestorePlan, rank: int, names: Any) -> int:
     takes its values (a step counter, the optimizer's parameter groups) from a rank of its own stage, never
     from another stage's whose values under the same names differ.
     """
+    if world == plan.manifest.world and rank < world:
+        return rank
     world = plan.manifest.world
     wanted = set(names)
     order = ([rank] if rank < world else []) + list(range(world))
@@ -164,10 +169,11 @@ class ShardLoader:
         self.copiers = copiers
         self.device = device
 
-    def load_resharded(self, plan: RestorePlan, state: dict) -> list[ShardReport]:
-        """Restore a step saved by another number of ranks: DCP reshards the tensors through
-        :class:`ckpt._reader.PlanReader`; JSON and bytes values come from one saved rank's shard
-        (:func:`values_rank`)."""
+    def load_resharded(self, plan: RestorePlan, state: dict, world: int | None = None) -> list[ShardReport]:
+        """Restore a step saved by another number of ranks (``world``: the restoring job's), or through a shared
+        tier's view: DCP reshards the tensors through :class:`ckpt._reader.PlanReader`, from the shards the plan
+        has sources for (all, or those holding this rank's chunks), each tensor checked to be covered by them;
+        JSON and bytes values come from one saved rank's shard (:func:`values_rank`)."""
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.api import CheckpointException
         from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
@@ -176,12 +182,22 @@ class ShardLoader:
 
         flat = flatten_state(state, for_restore=True)
         tensors = {leaf.name: leaf.tensor for leaf in flat.leaves if leaf.tensor is not None}
-        saved = {e.name for sh in plan.manifest.shards for e in plan.entries(sh.rank) if isinstance(e, TensorChunk)}
+        saved = {e.name for sh in plan.manifest.shards if sh.rank in plan.sources for e in plan.entries(sh.rank)
+                 if isinstance(e, TensorChunk)}
         missing = sorted(set(tensors) - saved)
         if missing:
             raise StateMismatchError(f"step {plan.step} of {plan.job!r} has no {', '.join(missing[:5])}: the "
                                      "state does not match the checkpoint")
-        reader = PlanReader(plan, verify=self.verify)
+        # at the same world size, this rank's own copy of a chunk every rank lists (its step counter, its RNG)
+        same = world == plan.manifest.world
+        reader = PlanReader(plan, verify=self.verify, prefer=self.rank if same else None)
+        short = reader.uncovered(tensors)
+        if short:
+            # DCP's partial load would leave those elements as they are, without a word
+            raise ShardUnavailableError(
+                f"step {plan.step} of {plan.job!r}: the shards planned for rank {self.rank} "
+                f"({', '.join(map(str, sorted(plan.sources)))}) do not hold all of {', '.join(short[:5])}"
+                f"{' …' if len(short) > 5 else ''}; `ckpt verify {plan.job} --step {plan.step}` checks the step")
         # each rank plans its own reads from its own tensors: no collective, so ranks that restore by another
         # route in the same attempt (their own shard, their replicas) never leave this one waiting
         with torch.no_grad(), warnings.catch_warnings():
@@ -192,7 +208,7 @@ class ShardLoader:
             except CheckpointException as e:
                 # DCP wraps what the reads raised: the restore falls back on ours (a damaged or missing shard)
                 raise _first_failure(e) from e
-        src_rank = values_rank(plan, self.rank, tensors)
+        src_rank = values_rank(plan, self.rank, tensors, world)
         values = {e.name: e for e in plan.entries(src_rank)
                   if isinstance(e, JsonEntry) or e.dtype == BYTES_DTYPE}
         spill = values.get(VALUES_NAME)

@@ -12,6 +12,7 @@ itself, handed to the planner's ``load_bytes`` once their shard is verified.
 from __future__ import annotations
 
 import io
+import math
 import warnings
 from typing import Any
 
@@ -29,7 +30,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from recovery import RestorePlan, open_shard
 from tiers.manifest import BYTES_DTYPE, TensorChunk
 
-from ._tensors import buffer_allocator, dtype_of as _dtype
+from ._tensors import buffer_allocator, dtype_of as _dtype, local_chunk
 
 __all__ = ["PlanReader"]
 
@@ -38,7 +39,8 @@ class PlanReader(StorageReader):
     """Reads the tensors (and with ``values``, the values DCP serialised) of one planned step, any world
     size, for ``dcp.load``."""
 
-    def __init__(self, plan: RestorePlan, *, verify: bool = True, values: bool = False) -> None:
+    def __init__(self, plan: RestorePlan, *, verify: bool = True, values: bool = False,
+                 prefer: int | None = None) -> None:
         super().__init__()
         self.plan = plan
         self.verify = verify
@@ -47,14 +49,45 @@ class PlanReader(StorageReader):
         self._where: dict[tuple[str, tuple[int, ...]], tuple[int, TensorChunk]] = {}
         # fqn -> (rank, entry) of a value DCP serialised (values=True only)
         self._values: dict[str, tuple[int, TensorChunk]] = {}
-        for sh in plan.manifest.shards:
-            for e in plan.entries(sh.rank):
+        # the shards planned: every rank's, or (a shared tier's view at the same world) those of the ranks that
+        # hold this rank's chunks. A chunk several shards list (a plain tensor every rank has under one name:
+        # an optimizer's step, an RNG state) comes from ``prefer``'s shard when it has one, else the lowest's
+        ranks = sorted(r for r in (sh.rank for sh in plan.manifest.shards) if r in plan.sources)
+        if prefer in ranks:
+            ranks.remove(prefer)
+            ranks.insert(0, prefer)
+        for rank in ranks:
+            for e in plan.entries(rank):
                 if not isinstance(e, TensorChunk):
                     continue
                 if e.dtype != BYTES_DTYPE:
-                    self._where.setdefault((e.name, e.offsets), (sh.rank, e))
+                    self._where.setdefault((e.name, e.offsets), (rank, e))
                 elif values:
-                    self._values.setdefault(e.name, (sh.rank, e))
+                    self._values.setdefault(e.name, (rank, e))
+
+    def uncovered(self, tensors: dict[str, torch.Tensor]) -> list[str]:
+        """The names of ``tensors`` (a rank's, DTensors by their local chunk) that the planned shards' chunks
+        do not cover in full. Chunks of one tensor at distinct offsets are disjoint (as DCP writes them), so
+        the volume they share with the local chunk adds up to its volume exactly when it is covered."""
+        by_name: dict[str, list[TensorChunk]] = {}
+        for (name, _), (_, e) in self._where.items():
+            by_name.setdefault(name, []).append(e)
+        out = []
+        for name, t in tensors.items():
+            local, _, offsets = local_chunk(t)
+            shape = tuple(local.shape)
+            want = math.prod(shape)
+            if not want:
+                continue
+            got = 0
+            for e in by_name.get(name, ()):
+                if len(e.offsets) != len(offsets):
+                    continue
+                got += math.prod(max(0, min(o + n, eo + en) - max(o, eo))
+                                 for o, n, eo, en in zip(offsets, shape, e.offsets, e.shape))
+            if got < want:
+                out.append(name)
+        return out
 
     def reset(self, checkpoint_id: Any = None) -> None:
         pass

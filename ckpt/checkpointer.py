@@ -58,7 +58,7 @@ from agents.launch import connect_or_spawn, wait_stopped
 from agents.replication import placement_partners
 from agents.protocol import AgentClient, AgentError, AgentUnreachableError
 from agents.tierset import disk_tier, memory_tier, peer_disk_tiers, peer_tiers, s3_tier
-from recovery import ShardReport, node_costs, plan_restore, replica_nodes, scan_tiers
+from recovery import ShardReport, node_costs, plan_restore, replica_nodes, scan_tiers, view_ranks
 from recovery.fetch import ShardUnavailableError
 from recovery.inventory import TierInventory
 from recovery.planner import (RestoreError, StepNotFoundError, committed_steps, describe_step, manifest_for,
@@ -1088,19 +1088,28 @@ class Checkpointer:
         # another world size, or the shared tier's manifest of a step whose ranks held copies of each other's
         # chunks (each chunk is in the shard of the rank that wrote it): every chunk from whichever shard has it
         if plan.manifest.world != self.world or "durable_of" in plan.manifest.metadata:
+            # the same world through a shared tier's view: this rank's part and those of the ranks that wrote
+            # its replicated chunks are all it reads (ShardInfo.unique names them); another world: every rank's
+            needed = view_ranks(plan.manifest, self.rank) if plan.manifest.world == self.world else None
             try:
-                whole = plan_restore(invs, self.job, agreed, costs=costs, skip=skip)
+                whole = plan_restore(invs, self.job, agreed, needed, costs=costs, skip=skip)
             except StepNotFoundError:
-                # resharding reads other ranks' shards: the other nodes' memory holds them before S3 does, and
-                # their disks hold the durable parts of their ranks (each chunk once across the job's disks)
-                others = peer_tiers(self.settings, exclude=placement_partners(self.settings))
+                # the other nodes' memory holds those shards before S3 does, and their disks hold the durable
+                # parts of their ranks (each chunk once across the job's disks): only the nodes of the ranks
+                # needed, when they are known
+                partners = placement_partners(self.settings)
+                nodes = None if needed is None else \
+                    {plan.manifest.shard(q).node for q in needed} - {self.settings.node_rank}
+                others = peer_tiers(self.settings, exclude=partners) if nodes is None else \
+                    peer_tiers(self.settings, only=nodes - partners)
                 if self.settings.disk:
-                    others += peer_disk_tiers(self.settings)
+                    others += peer_disk_tiers(self.settings, only=nodes)
                 if not others:
                     raise
-                whole = plan_restore(invs + scan_tiers(others, self.job), self.job, agreed, costs=costs, skip=skip)
+                whole = plan_restore(invs + scan_tiers(others, self.job), self.job, agreed, needed, costs=costs,
+                                     skip=skip)
             with kept(state) if keep_state else contextlib.nullcontext():
-                reports = self._loader.load_resharded(whole, state)
+                reports = self._loader.load_resharded(whole, state, self.world)
         else:
             with kept(state) if keep_state else contextlib.nullcontext():
                 reports = [self._loader.load(plan, state)]

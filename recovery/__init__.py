@@ -18,6 +18,7 @@ from .planner import (
     complete_steps,
     plan_restore,
     replica_nodes,
+    view_ranks,
 )
 
 __all__ = [
@@ -43,4 +44,5 @@ __all__ = [
     "scan_tier",
     "scan_tiers",
     "source_name",
+    "view_ranks",
 ]

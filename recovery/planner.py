@@ -23,7 +23,7 @@ from .inventory import TierInventory
 __all__ = ["JobNotFoundError", "LayoutUnavailableError", "ReplicaRoute", "RestoreError", "RestorePlan",
            "StepNotFoundError",
            "committed_steps", "complete_steps", "describe_step", "load_layouts", "manifest_for", "plan_restore",
-           "replica_nodes", "unreachable"]
+           "replica_nodes", "unreachable", "view_ranks"]
 
 
 class JobNotFoundError(FileNotFoundError):
@@ -161,6 +161,18 @@ def _sources(invs: list[TierInventory], job: str, step: int, m: Manifest,
             return None
         sources[shard.rank] = where
     return sources
+
+
+def view_ranks(m: Manifest, rank: int) -> list[int]:
+    """The ranks whose shards hold every chunk of ``rank``'s shard in ``m``, a shared tier's view
+    (``tiers.manifest.durable_view``) of a step saved at the world size restoring it: the rank itself (its
+    unique part and the replicated chunks it wrote) and the ranks of its holder groups (``ShardInfo.unique``),
+    one of which wrote each of its other chunks."""
+    u = m.shard(rank).unique
+    out = {rank}
+    if u is not None:
+        out.update(q for g in u[2] for q in g if q < m.world)
+    return sorted(out)
 
 
 def _holding(invs: list[TierInventory], job: str, step: int, rank: int, size: int) -> list[Tier]:

@@ -11,7 +11,8 @@ its weight and bias are replicated over tp), then ``fully_shard`` over dp.
 Each rank trains a few deterministic steps, checkpoints every step, and writes one JSON line to
 ``--out.<rank>``: for every tensor chunk it holds, the chunk's name, offsets, shape and bytes, and the
 holders and owner :mod:`ckpt._replicas` computes for it; its shard's size in the newest step's manifest;
-and the losses.
+and the losses. Each rank's values and a plain tensor of its own (``progress``) say after a restore whether
+it got its own back.
 """
 
 from __future__ import annotations
@@ -126,9 +127,11 @@ def main() -> int:
     rank = dist.get_rank()
     model, optim = build(a.mode, a.replicas, a.dim)
     # each rank's own values, as a data loader's position is: a restore gives a rank its own back
-    state = {"model": model, "optim": optim, "progress": {"rank": rank, "token": f"rank-{rank}".encode()}}
+    # and a plain tensor of its own under the same name on every rank (as an RNG state is)
+    state = {"model": model, "optim": optim, "progress": {"rank": rank, "token": f"rank-{rank}".encode(),
+                                                          "seen": torch.full((2,), float(rank))}}
     if a.restore_only:
-        state["progress"] = {"rank": -1, "token": b""}
+        state["progress"] = {"rank": -1, "token": b"", "seen": torch.full((2,), -1.0)}
     losses = []
     report: dict = {"rank": rank}
     with ckpt.Checkpointer(a.job, shm=a.shm, disk=a.disk, s3=a.s3, s3_endpoint=a.s3_endpoint,
@@ -137,7 +140,8 @@ def main() -> int:
             report["restored"] = ck.restore(state, step=a.restore_step)
             report["tiers"] = ck.last_restore.tiers
             report["seconds"] = ck.last_restore.seconds
-            report["progress"] = [state["progress"]["rank"], state["progress"]["token"].decode()]
+            report["progress"] = [state["progress"]["rank"], state["progress"]["token"].decode(),
+                                  state["progress"]["seen"].tolist()]
             torch.save(dump(model, optim), f"{a.out}.dump.{rank}")
         else:
             for step in range(a.steps):

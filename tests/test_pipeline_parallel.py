@@ -118,6 +118,11 @@ def test_values_of_a_resharded_restore_come_from_a_rank_of_the_same_stage():
     pp = plan([["inp.weight"], ["layers.0.fc.weight"], ["head.weight"], ["layers.3.fc.weight"]],
               {"durable_of": "xxh3_64:0000000000000000"})
     assert [values_rank(pp, r, names) for r, names in enumerate([stage0, stage1])] == [0, 2]
+    # at the same world size a rank's values are its own, even when it wrote none of its tensors to the view
+    # (its replicas did): rank 1 here would otherwise take rank 0's step counter and data position
+    wrote_none = plan([stage0, [], stage0, []], {"durable_of": "xxh3_64:0000000000000000"})
+    assert values_rank(wrote_none, 1, stage0) == 0  # another world size: a rank of the stage that wrote them
+    assert [values_rank(wrote_none, r, stage0, world=4) for r in range(4)] == [0, 1, 2, 3]
 
 
 def test_two_nodes_killed_mid_run_resume_bit_exact_from_memory(tmp_path, reference):

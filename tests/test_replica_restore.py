@@ -16,7 +16,7 @@ import torch
 from ckpt._load import ShardLoader, StateMismatchError
 from recovery import scan_tiers
 from recovery.fetch import ShardUnavailableError
-from recovery.planner import StepNotFoundError, complete_steps, plan_restore, replica_nodes
+from recovery.planner import StepNotFoundError, complete_steps, plan_restore, replica_nodes, view_ranks
 from tiers import keys
 from tiers.checksum import checksum_bytes
 from tiers.disk import DiskTier
@@ -114,6 +114,40 @@ def test_the_replicas_nodes_are_looked_in_only_for_a_rank_whose_shard_is_in_no_m
     t = MemoryTier(str(mem0.root) + "-alone")
     t.put(keys.manifest_key(JOB, STEP + 1), alone.to_bytes())
     assert replica_nodes(scan_tiers([t], JOB), JOB, 0) == set()  # no replicated chunk: nothing to look for
+
+
+def test_a_view_restore_reads_the_ranks_holding_its_chunks_and_refuses_a_plan_that_leaves_a_tensor_unread(
+        tmp_path):
+    """A shared tier's view of the step (each chunk once): rank 0 wrote the first half of ``w``, rank 1 the
+    second, each its own tensor under the same name. Rank 1 plans its own part and its holder group's
+    (``view_ranks``), no other rank's, and gets all of ``w``, its own ``own`` (not rank 0's, listed first) and
+    its own values. A plan of its own part alone leaves half of ``w`` unread: DCP's partial load would skip it
+    without a word, so it is refused before anything is written."""
+    t = MemoryTier(str(tmp_path / "view"))
+    half = W.numpy().tobytes()[:128], W.numpy().tobytes()[128:]
+    parts = {}
+    for r in (0, 1):
+        own = _own(r).numpy().tobytes()
+        parts[r] = (own + bytes(4096 - 64) + half[r],
+                    Layout((TensorChunk("own", "float32", (16,), (0,), (16,), 0, 64),
+                            TensorChunk("w", "float32", (64,), (32 * r,), (32,), 4096, 128))))
+    rows = []
+    for r, (data, layout) in parts.items():
+        _write(t, JOB, r, data, layout)
+        rows.append(ShardInfo(r, len(data), checksum_bytes(data), (JsonEntry("pos", 100 + r),), r, layout.digest,
+                              None, (64, checksum_bytes(data[:64]), ((0, 1),))))
+    m = Manifest(JOB, STEP, 2, tuple(rows), {"durable_of": "xxh3_64:0000000000000000"})
+    t.put(keys.manifest_key(JOB, STEP), m.to_bytes())
+    invs = scan_tiers([t], JOB)
+    loader = ShardLoader(1, True, [], lambda device_type: None)
+    assert view_ranks(m, 1) == [0, 1]
+    state = _state()
+    loader.load_resharded(plan_restore(invs, JOB, STEP, view_ranks(m, 1)), state, world=2)
+    assert torch.equal(state["own"], _own(1)) and torch.equal(state["w"], W) and state["pos"] == 101
+    state = _state()
+    with pytest.raises(ShardUnavailableError, match=r"shards planned for rank 1 \(1\) do not hold all of w"):
+        loader.load_resharded(plan_restore(invs, JOB, STEP, [1]), state, world=2)
+    assert not state["own"].any() and not state["w"].any() and state["pos"] == -1
 
 
 def test_no_head_anywhere_means_no_route(places):

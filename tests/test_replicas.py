@@ -159,6 +159,11 @@ def _same(a: dict, b: dict) -> None:
         assert torch.equal(a[k], b[k]), k
 
 
+def _own_values(rank: int) -> list:
+    """What ``tests/mesh_job.py`` reports of a rank's own values and plain tensor once it has them back."""
+    return [rank, f"rank-{rank}", [float(rank)] * 2]
+
+
 class _Nodes:
     """Simulated nodes (``nodes``, two by default) for one job: a memory folder (and a disk folder, with ``disk``; holding
     whole shards with ``disk_whole``) each, a signed peer list on loopback, S3 on moto (none when ``s3_bucket``
@@ -211,7 +216,7 @@ class _Nodes:
             row = json.loads(open(f"{out}.{r}").read())
             assert row["restored"] == 2 and set(row["tiers"]) == {"s3"}, row
             if count == 2:
-                assert row["progress"] == [r, f"rank-{r}"], row  # its own values, not its replica's
+                assert row["progress"] == _own_values(r), row  # its own values, not its replica's
             _same(before[r if count == 2 else 0], _dumps(out, [r])[r])
 
 
@@ -255,7 +260,7 @@ def test_hsdp_on_two_nodes_writes_each_chunk_once_to_disk_and_s3_and_restores_fr
     for r in range(4):
         row = json.loads(open(f"{again}.{r}").read())
         assert row["restored"] == 2 and set(row["tiers"]) == {"disk", "peer-disk"}, row
-        assert row["progress"] == [r, f"rank-{r}"], row
+        assert row["progress"] == _own_values(r), row
         _same(before[r], _dumps(again, [r])[r])
 
     # every node loses memory and disk: the ranks restore from S3, each chunk from the rank that wrote it;
@@ -308,7 +313,7 @@ def test_a_damaged_or_lost_part_on_another_nodes_disk_is_read_from_s3_never_from
         nodes.run(out, "--restore-only")
         rows = [json.loads(open(f"{out}.{r}").read()) for r in range(4)]
         for r, row in enumerate(rows):
-            assert row["restored"] == 2 and row["progress"] == [r, f"rank-{r}"], row
+            assert row["restored"] == 2 and row["progress"] == _own_values(r), row
             _same(before[r], _dumps(out, [r])[r])
         return rows
 
@@ -412,7 +417,7 @@ def test_hsdp_node_lost_restores_from_its_replicas_memory_and_peers_hold_only_un
         row = json.loads(open(f"{again}.{r}").read())
         assert row["restored"] == 2, row
         assert set(row["tiers"]) == ({"replicas"} if r < 2 else {"memory"}), row
-        assert row["progress"] == [r, f"rank-{r}"], row  # its own values, from its head
+        assert row["progress"] == _own_values(r), row  # its own values, from its head
         _same(before[r], after[r])
 
 
@@ -447,7 +452,7 @@ def test_hsdp_on_four_nodes_restores_a_lost_node_from_the_replica_node_that_is_n
         row = json.loads(open(f"{again}.{r}").read())
         assert row["restored"] == 2, row
         assert set(row["tiers"]) == ({"replicas"} if r == 0 else {"memory"}), row
-        assert row["progress"] == [r, f"rank-{r}"], row
+        assert row["progress"] == _own_values(r), row
         _same(before[r], after[r])
 
 
@@ -500,7 +505,7 @@ def test_fsdp_tp_writes_tp_replicated_tensors_once_to_s3_and_restores_resharded(
     for r in range(4):
         row = json.loads(open(f"{lost}.{r}").read())
         assert row["restored"] == 2 and set(row["tiers"]) in expect[r], row
-        assert row["progress"] == [r, f"rank-{r}"], row
+        assert row["progress"] == _own_values(r), row
         _same(before[r], _dumps(lost, [r])[r])
 
     nodes.restore_from_s3(str(tmp_path / "again"), before, 2, "fsdp_tp")
