@@ -188,9 +188,10 @@ class ShardLoader:
         if missing:
             raise StateMismatchError(f"step {plan.step} of {plan.job!r} has no {', '.join(missing[:5])}: the "
                                      "state does not match the checkpoint")
-        # at the same world size, this rank's own copy of a chunk every rank lists (its step counter, its RNG)
-        same = world == plan.manifest.world
-        reader = PlanReader(plan, verify=self.verify, prefer=self.rank if same else None)
+        # a chunk every rank lists under one name (a step counter, an RNG state: each rank's own) comes from the
+        # saved rank whose values this rank takes, so the two agree: itself, at the same world size
+        src_rank = values_rank(plan, self.rank, tensors, world)
+        reader = PlanReader(plan, verify=self.verify, prefer=src_rank)
         short = reader.uncovered(tensors)
         if short:
             # DCP's partial load would leave those elements as they are, without a word
@@ -208,7 +209,6 @@ class ShardLoader:
             except CheckpointException as e:
                 # DCP wraps what the reads raised: the restore falls back on ours (a damaged or missing shard)
                 raise _first_failure(e) from e
-        src_rank = values_rank(plan, self.rank, tensors, world)
         values = {e.name: e for e in plan.entries(src_rank)
                   if isinstance(e, JsonEntry) or e.dtype == BYTES_DTYPE}
         spill = values.get(VALUES_NAME)
