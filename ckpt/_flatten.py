@@ -35,7 +35,7 @@ from . import _guard
 from ._devices import settle, storage_key
 from ._tensors import local_tensor
 
-__all__ = ["Leaf", "Flat", "flatten_state", "StateError", "encode_value", "decode_value"]
+__all__ = ["Leaf", "Flat", "flatten_state", "forget_initialized", "StateError", "encode_value", "decode_value"]
 
 JSON_SCALARS = (int, float, str, bool, type(None))
 
@@ -114,6 +114,17 @@ class Flat:
     #: device the state lives on finish what that queued (``DeviceAdapter.settle``)
     appliers: list[Callable[[], None]] = field(default_factory=list)
     optimizers: list[torch.optim.Optimizer] = field(default_factory=list)
+    #: optimizers that had no state before this flattening: DCP's state-dict helper gave them one (a step with
+    #: zero gradients and no learning rate; AdamW's step count is 1 then), see :func:`forget_initialized`
+    uninitialized: list[torch.optim.Optimizer] = field(default_factory=list)
+
+
+def forget_initialized(optimizers: list[torch.optim.Optimizer]) -> None:
+    """Give ``optimizers`` (:attr:`Flat.uninitialized`) back the empty state they had before a flattening
+    initialised it, so that their first real step starts as it would have without a checkpoint library: for a
+    fresh start, a lease sized from the state, a restore that failed."""
+    for o in optimizers:
+        o.state.clear()
 
 
 def _is_stateful(v: Any) -> bool:
@@ -196,6 +207,8 @@ def flatten_state(state: dict, *, for_restore: bool = False) -> Flat:
             _walk(sd, prefix, flat, None, None, fixups, entry)
         elif isinstance(v, torch.optim.Optimizer):
             optims.append(v)
+            if not v.state:
+                flat.uninitialized.append(v)
             model = None if _own_state_dict(v) else owner_of(v)
             plain = model is not None and id(model) in no_dsd
             if model is None and not _own_state_dict(v):
@@ -218,7 +231,9 @@ def flatten_state(state: dict, *, for_restore: bool = False) -> Flat:
             for leaf in flat.leaves[start:]:
                 leaf.guarded = leaf.tensor is not None
         elif _is_stateful(v):
-            optims.extend(_guard.find_optimizers(v))
+            inner = _guard.find_optimizers(v)
+            optims.extend(inner)
+            flat.uninitialized.extend(o for o in inner if not o.state)
             sd = v.state_dict()
             flat.appliers.append(lambda v=v, sd=sd: v.load_state_dict(sd))
             _walk(sd, prefix, flat, None, None, fixups, entry)

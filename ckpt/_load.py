@@ -6,6 +6,12 @@ otherwise, and through DCP's resharding when the step was saved by another numbe
 every name, dtype and shape against the checkpoint before anything is applied, and verifies every
 checksum. Which step, which places and what to do when a place fails is the Checkpointer's business
 (:meth:`ckpt.Checkpointer.restore`); :func:`kept` puts the CPU tensors back if a load fails half-way.
+
+A load comes in two halves: :meth:`ShardLoader.prepare` (and ``prepare_resharded``) reads and verifies
+everything, writing only into CPU tensors it reads in place, and returns a :class:`Prepared`; its ``finish``
+writes the rest (tensors on other devices, values, the containers' state dicts). Under torch.distributed the
+Checkpointer finishes only once every rank has prepared the same step, so a step that fails on one rank
+leaves nothing but the CPU tensors (put back by :func:`kept`) changed on the others.
 """
 
 from __future__ import annotations
@@ -28,11 +34,11 @@ from tiers.base import Tier
 from tiers.manifest import BYTES_DTYPE, VALUES_NAME, JsonEntry, TensorChunk, parse_spilled
 
 from ._devices import DeviceAdapter
-from ._flatten import Flat, Leaf, decode_value, flatten_state
+from ._flatten import Flat, Leaf, decode_value, flatten_state, forget_initialized
 from ._tensors import buffer_allocator, buffer_view as _buffer_view, dtype_name as _dtype_name
 from ._tensors import dtype_of as _dtype, local_chunk
 
-__all__ = ["ShardLoader", "StateMismatchError", "kept", "values_rank"]
+__all__ = ["Prepared", "ShardLoader", "StateMismatchError", "kept", "values_rank"]
 
 log = logging.getLogger("tierckpt")
 
@@ -89,24 +95,27 @@ def _direct_reader(tier: Tier, key: str, size: int):
 
 @contextlib.contextmanager
 def kept(state: dict):
-    """Put the state's CPU tensors back as they were if the block raises.
+    """Put the state's CPU tensors back as they were if the block raises; yields the optimizers that had no
+    state before (:attr:`Flat.uninitialized`), which a raise gives back their empty state too.
 
     A restore reads straight into CPU tensors and verifies the bytes as they land, so a damaged copy
     is found only once it has overwritten them: they are copied first (one copy of them in host memory,
     for as long as the block runs). Other tensors are written only after their bytes are verified.
     """
     saved = []
-    for leaf in flatten_state(state, for_restore=True).leaves:
+    flat = flatten_state(state, for_restore=True)
+    for leaf in flat.leaves:
         if leaf.tensor is not None:
             local = local_chunk(leaf.tensor)[0]
             if local.is_cpu and local.numel():
                 saved.append((local, local.detach().clone()))
     try:
-        yield
+        yield flat.uninitialized
     except BaseException:
         with torch.no_grad():
             for local, old in saved:
                 local.copy_(old)
+        forget_initialized(flat.uninitialized)
         raise
 
 
@@ -147,6 +156,34 @@ class _Rebuilt:
     report: ShardReport
 
 
+class Prepared:
+    """A rank's part of a step, read and verified but not yet applied (:meth:`ShardLoader.prepare`).
+
+    ``reports``: what was read from where. ``finish()`` applies it to the state (once); ``release()`` drops
+    it without applying (the buffers it holds). Either may be called more than once; only the first acts.
+    """
+
+    def __init__(self, reports: list[ShardReport], apply: Callable[[], None],
+                 release: Callable[[], None] | None = None) -> None:
+        self.reports = reports
+        self._apply: Callable[[], None] | None = apply
+        self._release = release
+
+    def finish(self) -> None:
+        apply, self._apply = self._apply, None
+        try:
+            if apply is not None:
+                apply()
+        finally:
+            self.release()
+
+    def release(self) -> None:
+        self._apply = None
+        release, self._release = self._release, None
+        if release is not None:
+            release()
+
+
 def _first_failure(e: Any) -> BaseException:
     """The exception a rank's read raised inside ``dcp.load`` (DCP's ``CheckpointException`` holds it), or a
     ShardUnavailableError saying what it was when it is not an ``Exception`` of its own."""
@@ -170,10 +207,17 @@ class ShardLoader:
         self.device = device
 
     def load_resharded(self, plan: RestorePlan, state: dict, world: int | None = None) -> list[ShardReport]:
+        """:meth:`prepare_resharded`, then finish it."""
+        prepared = self.prepare_resharded(plan, state, world)
+        prepared.finish()
+        return prepared.reports
+
+    def prepare_resharded(self, plan: RestorePlan, state: dict, world: int | None = None) -> Prepared:
         """Restore a step saved by another number of ranks (``world``: the restoring job's), or through a shared
         tier's view: DCP reshards the tensors through :class:`ckpt._reader.PlanReader`, from the shards the plan
         has sources for (all, or those holding this rank's chunks), each tensor checked to be covered by them;
-        JSON and bytes values come from one saved rank's shard (:func:`values_rank`)."""
+        JSON and bytes values come from one saved rank's shard (:func:`values_rank`). DCP writes the tensors
+        as it reads them, those on other devices too; the values and state dicts wait for ``finish``."""
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.api import CheckpointException
         from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
@@ -219,12 +263,15 @@ class ShardLoader:
                                                  and isinstance(leaf.value, bytes)] + ([spill] if spill else []))
         self._spilled(plan, values, Flat([leaf for leaf in flat.leaves if leaf.tensor is None]),
                       raw.get(VALUES_NAME) if spill else None)
-        for leaf in flat.leaves:
-            if leaf.tensor is None:
-                self._fill(leaf, values[leaf.name], None, raw.get(leaf.name, b""))
-        for apply in flat.appliers:
-            apply()
-        return reader.reports
+
+        def apply() -> None:
+            for leaf in flat.leaves:
+                if leaf.tensor is None:
+                    self._fill(leaf, values[leaf.name], None, raw.get(leaf.name, b""))
+            for run in flat.appliers:
+                run()
+
+        return Prepared(reader.reports, apply)
 
     def _read_values(self, plan: RestorePlan, rank: int, entries: list[TensorChunk]) -> dict[str, bytes]:
         """The bytes values ``entries`` of ``rank``'s shard (its whole shard is read and verified)."""
@@ -238,6 +285,14 @@ class ShardLoader:
             shard.close()
 
     def load(self, plan: RestorePlan, state: dict) -> ShardReport:
+        """:meth:`prepare`, then finish it."""
+        prepared = self.prepare(plan, state)
+        prepared.finish()
+        return prepared.reports[0]
+
+    def prepare(self, plan: RestorePlan, state: dict) -> Prepared:
+        """Read and verify this rank's shard of ``plan`` (or rebuild it from its replicas), from the first of its
+        places that holds it intact; CPU tensors read in place are written now, everything else by ``finish``."""
         if self.rank in plan.replicas:
             return self._load_replicas(plan, state)
         info = plan.manifest.shard(self.rank)
@@ -251,8 +306,8 @@ class ShardLoader:
                 if read_batch is None:
                     break
                 report = self._load_direct(plan, state, info, rest[0], read_batch)
-            if isinstance(report, ShardReport):
-                report.failures = failures + report.failures
+            if isinstance(report, Prepared):
+                report.reports[0].failures = failures + report.reports[0].failures
                 return report
             failures.append(f"{source_name(rest[0])}: {report}")
             rest = rest[1:]  # damaged or unreachable there: the next place, in order
@@ -267,12 +322,18 @@ class ShardLoader:
                 f"shard {self.rank} of {plan.job!r} step {plan.step} could not be read intact from any tier "
                 f"({'; '.join(failures)}{'; ' + str(e) if rest else ''})") from e
         shard.report.failures = failures + shard.report.failures
-        try:
-            return self._apply(plan, state, info, shard)
-        finally:
-            shard.close()
 
-    def _load_replicas(self, plan: RestorePlan, state: dict) -> ShardReport:
+        def release() -> None:
+            shard.close()
+            keep.clear()  # the tensors that own the shard's buffer: held until it is applied or dropped
+
+        try:
+            return self._apply(plan, state, info, shard, release=release)
+        except BaseException:
+            release()
+            raise
+
+    def _load_replicas(self, plan: RestorePlan, state: dict) -> Prepared:
         """Rebuild this rank's shard from its unique part (a peer's copy of its head) and the verified shards of
         ranks of its holder groups (``plan.replicas``), then load it like a shard read whole.
 
@@ -346,7 +407,7 @@ class ShardLoader:
         return self._apply(plan, state, info, _Rebuilt(view, report))
 
     def _load_direct(self, plan: RestorePlan, state: dict, info: Any, tier: Tier,
-                     read_batch: Callable[[list[tuple[int, memoryview]]], None]) -> ShardReport | str:
+                     read_batch: Callable[[list[tuple[int, memoryview]]], None]) -> Prepared | str:
         """Read the shard's bytes straight into the state's tensors and hash what was read.
 
         ``read_batch`` fills a batch of contiguous ``(shard offset, view)`` pieces, in order: ``preadv``
@@ -430,22 +491,26 @@ class ShardLoader:
                 log.warning("rank %d shard in %s has checksum %s, manifest says %s: trying the next place",
                             self.rank, source_name(tier), got, info.checksum)
                 return f"checksum {got}, the manifest says {info.checksum}"
-        # tensors not read in place (other devices, strided ones) get their verified bytes now, per device type
-        by_device: dict[str, list] = {}
-        for _, _, staged in pieces:
-            if staged is not None:
-                by_device.setdefault(staged[0].device.type, []).append(staged)
-        for device_type, pairs in by_device.items():
-            self.device(device_type).restore(pairs)
         got_raw = {id(leaf): bytes(b) for leaf, b in raw if leaf is not None}
         self._spilled(plan, by_name, flat, next((b for leaf, b in raw if leaf is None), None))
-        with torch.no_grad():
-            for leaf in flat.leaves:
-                if leaf.tensor is None:
-                    self._fill(leaf, by_name[leaf.name], None, got_raw.get(id(leaf), b""))
-        for apply in flat.appliers:
-            apply()
-        return ShardReport(self.rank, tier.name, info.size, time.perf_counter() - t0, source=source_name(tier))
+
+        def apply() -> None:
+            # tensors not read in place (other devices, strided ones) get their verified bytes, per device type
+            by_device: dict[str, list] = {}
+            for _, _, staged in pieces:
+                if staged is not None:
+                    by_device.setdefault(staged[0].device.type, []).append(staged)
+            for device_type, pairs in by_device.items():
+                self.device(device_type).restore(pairs)
+            with torch.no_grad():
+                for leaf in flat.leaves:
+                    if leaf.tensor is None:
+                        self._fill(leaf, by_name[leaf.name], None, got_raw.get(id(leaf), b""))
+            for run in flat.appliers:
+                run()
+
+        report = ShardReport(self.rank, tier.name, info.size, time.perf_counter() - t0, source=source_name(tier))
+        return Prepared([report], apply, pieces.clear)
 
     @staticmethod
     def _target(plan: RestorePlan, state: dict, info: Any) -> tuple[dict, Flat]:
@@ -497,7 +562,10 @@ class ShardLoader:
                 f"{list(gshape)}, the checkpoint {entry.dtype}{list(entry.shape)} at {list(entry.offsets)} of "
                 f"{list(entry.global_shape)}")
 
-    def _apply(self, plan: RestorePlan, state: dict, info: Any, shard: Any) -> ShardReport:
+    def _apply(self, plan: RestorePlan, state: dict, info: Any, shard: Any,
+               release: Callable[[], None] | None = None) -> Prepared:
+        """Check the state against the verified ``shard`` now; fill it from the shard in ``finish``, then
+        ``release`` the shard."""
         report = shard.report
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # a copy-on-write mapping is writable; torch cannot tell
@@ -511,13 +579,21 @@ class ShardLoader:
                 self._check_leaf(leaf, by_name[leaf.name])
             else:
                 self._check_value(leaf, by_name[leaf.name])
-        with torch.no_grad():
-            for leaf in flat.leaves:
-                self._fill(leaf, by_name[leaf.name], buf)
-        for apply in flat.appliers:
-            apply()
-        del buf
-        return report
+
+        def apply() -> None:
+            with torch.no_grad():
+                for leaf in flat.leaves:
+                    self._fill(leaf, by_name[leaf.name], buf)
+            for run in flat.appliers:
+                run()
+
+        def drop() -> None:
+            nonlocal buf
+            buf = None
+            if release is not None:
+                release()
+
+        return Prepared([report], apply, drop)
 
     @staticmethod
     def _fill(leaf: Leaf, entry: Any, buf: torch.Tensor | None, raw: bytes | None = None) -> None:

@@ -70,8 +70,8 @@ from tiers.layout import Layout
 
 from ._devices import DeviceAdapter, Item, make_adapter
 from . import _guard
-from ._flatten import flatten_state
-from ._load import ShardLoader, StateMismatchError, kept
+from ._flatten import flatten_state, forget_initialized
+from ._load import Prepared, ShardLoader, StateMismatchError, kept
 from ._shard_plan import ShardPlanner
 
 __all__ = ["Checkpointer", "SaveFuture", "RestoreReport", "CheckpointError", "RestoreError", "StateMismatchError"]
@@ -84,6 +84,16 @@ class CheckpointError(RuntimeError):
 
 
 _CANNOT = -2  # restore(step=...): this rank cannot reach the step (below -1, no step at all)
+
+
+@contextlib.contextmanager
+def _released(pending: dict):
+    """Release every :class:`Prepared` left in ``pending`` (values ``(Prepared, ...)``) when the block ends."""
+    try:
+        yield
+    finally:
+        for prepared, *_ in pending.values():
+            prepared.release()
 
 
 def _min_over_ranks(value: int) -> int:
@@ -711,9 +721,15 @@ class Checkpointer:
         """Lease and fault in, in the background, the slot of a first save of ``state`` (a fresh start's
         restore): the first save then waits for no fresh memory when the first step outlasts the faulting."""
         try:
-            total = self._planner.plan(flatten_state(state), self.overlap).total
+            flat = flatten_state(state)
         except Exception:  # the save says what is wrong with the state
             return
+        try:
+            total = self._planner.plan(flat, self.overlap).total
+        except Exception:
+            return
+        finally:
+            forget_initialized(flat.uninitialized)  # sized only: the first step starts from an empty state
         self._lease_ahead(total)
 
     def _lease_ahead(self, nbytes: int) -> None:
@@ -938,94 +954,104 @@ class Checkpointer:
             keys.check_step(step)
         failed: dict[int, str] = {}  # step -> why it could not be restored intact
         skipped: dict[int, set[str]] = {}  # step -> checksums of the manifests it failed with
-        restored: dict[int, tuple] = {}  # step -> (reports, manifest) where this rank restored it but another did not
-        while True:
-            usable = [s for s in steps if s not in failed]
-            if step is None:
-                mine = usable[-1] if usable else -1
-            else:
-                if step not in usable and far:
+        # step -> (Prepared, manifest) where this rank read it intact but another rank did not: kept unapplied
+        # while the others look again
+        restored: dict[int, tuple] = {}
+        # the CPU tensors a read fills in place, put back if no step is restored in the end (every other
+        # write waits for Prepared.finish, which only a step prepared on every rank gets)
+        with kept(state) if keep_state else contextlib.nullcontext([]) as untouched, _released(restored):
+            while True:
+                usable = [s for s in steps if s not in failed]
+                if step is None:
+                    mine = usable[-1] if usable else -1
+                else:
+                    if step not in usable and far:
+                        steps = add_far()
+                        continue
+                    # a rank that cannot reach the step says so in the agreement: every rank raises, none waits on it
+                    mine = step if step in usable else _CANNOT
+                agreed = mine
+                cannot = None
+                if self.world > 1:
+                    agreed = _min_over_ranks(mine)
+                    if agreed != mine and agreed >= 0 and agreed not in usable and far:
+                        steps = add_far()  # another rank can reach only an older step: S3 may hold it for this one
+                        usable = [s for s in steps if s not in failed]
+                    if agreed != mine and agreed >= 0 and agreed not in usable:
+                        # a failure of this rank's, taken through the same collectives as a failed read
+                        cannot = f"rank {self.rank} cannot reach step {agreed}, the newest the other ranks can"
+                if agreed == _CANNOT:
+                    if mine == _CANNOT:
+                        self._raise_not_restorable(invs, step, failed)
+                    raise StepNotFoundError(f"step {step} of job {self.job!r} cannot be restored: another rank cannot "
+                                            "reach it (its error says why); nothing was restored")
+                if agreed < 0:
+                    if far and self.world == 1 and (failed or committed_steps(invs, self.job) or unreachable(invs)):
+                        steps = add_far()  # something was committed near but is not restorable: S3 may hold it
+                        continue
+                    fresh = self._fresh(invs, failed)
+                    if self.world > 1:  # a fresh start only if no rank found a trace: every rank raises otherwise
+                        if fresh and not _min_over_ranks(int(fresh)):
+                            raise RestoreError(f"job {self.job!r}: another rank found a committed step it could not "
+                                               "restore (its error says which); nothing was started fresh")
+                    self._raise_not_restorable(invs, None, failed)
+                    self._lease_for(state)  # a fresh start: the first save's slot is faulted in meanwhile
+                    forget_initialized(untouched)  # the first step starts as it would without a checkpoint
+                    return None
+                skip = skipped.setdefault(agreed, set())
+                if agreed in restored:  # this rank read it already; another rank looked again elsewhere
+                    prepared, used = restored[agreed]
+                    why = None
+                elif cannot is not None:
+                    used, why = None, cannot
+                else:
+                    used = manifest_for(invs, self.job, agreed, skip)
+                    try:
+                        prepared = self._restore_step(invs, agreed, state, skip)
+                        why = None
+                    except (ShardUnavailableError, StepNotFoundError, ManifestError, TierError) as e:
+                        why = str(e)
+                ok = local_ok = why is None
+                if self.world > 1:  # a collective every rank takes, its own restore failed or not
+                    if not _min_over_ranks(int(ok)) and ok:
+                        ok, why = False, "another rank could not restore it"
+                if ok:
+                    restored.pop(agreed, None)
+                    prepared.finish()  # every rank holds the step verified: now it is applied
+                    break
+                other = False
+                if local_ok:
+                    restored[agreed] = (prepared, used)
+                elif used is not None:
+                    skip.add(used.checksum)
+                    other = manifest_for(invs, self.job, agreed, skip) is not None
+                # whether any rank has somewhere else to look for this step: then every rank tries it again, or a rank
+                # that has already looked everywhere (S3 too) would pass it over for an older one while the others
+                # found it complete (a collective: every rank's step failed on some rank, so every rank comes here)
+                elsewhere = other or (far and not local_ok)
+                if self.world > 1:
+                    elsewhere = bool(-_min_over_ranks(-int(elsewhere)))
+                if other:
+                    # another tier holds a different manifest of the step (another save of it): try that one
+                    log.warning("step %d of %s could not be restored with the manifest from the cheapest tier "
+                                "(%s): trying another tier's", agreed, self.job, why)
+                    continue
+                if far and not local_ok:
+                    log.warning("step %d of %s could not be restored from memory, peers or disk (%s): trying S3",
+                                agreed, self.job, why)
+                    skip.clear()  # S3 may hold intact shards of the very manifests that failed
                     steps = add_far()
                     continue
-                # a rank that cannot reach the step says so in the agreement: every rank raises, none waits on it
-                mine = step if step in usable else _CANNOT
-            agreed = mine
-            cannot = None
-            if self.world > 1:
-                agreed = _min_over_ranks(mine)
-                if agreed != mine and agreed >= 0 and agreed not in usable and far:
-                    steps = add_far()  # another rank can reach only an older step: S3 may hold it for this one
-                    usable = [s for s in steps if s not in failed]
-                if agreed != mine and agreed >= 0 and agreed not in usable:
-                    # a failure of this rank's, taken through the same collectives as a failed read
-                    cannot = f"rank {self.rank} cannot reach step {agreed}, the newest the other ranks can"
-            if agreed == _CANNOT:
-                if mine == _CANNOT:
-                    self._raise_not_restorable(invs, step, failed)
-                raise StepNotFoundError(f"step {step} of job {self.job!r} cannot be restored: another rank cannot "
-                                        "reach it (its error says why); nothing was restored")
-            if agreed < 0:
-                if far and self.world == 1 and (failed or committed_steps(invs, self.job) or unreachable(invs)):
-                    steps = add_far()  # something was committed near but is not restorable: S3 may hold it
+                if elsewhere:
+                    log.info("step %d of %s: another rank looks for it in another tier; waiting for it", agreed,
+                             self.job)
                     continue
-                fresh = self._fresh(invs, failed)
-                if self.world > 1:  # a fresh start only if no rank found a trace: every rank raises otherwise
-                    if fresh and not _min_over_ranks(int(fresh)):
-                        raise RestoreError(f"job {self.job!r}: another rank found a committed step it could not "
-                                           "restore (its error says which); nothing was started fresh")
-                self._raise_not_restorable(invs, None, failed)
-                self._lease_for(state)  # a fresh start: the first save's slot is faulted in meanwhile
-                return None
-            skip = skipped.setdefault(agreed, set())
-            if agreed in restored:  # this rank restored it already; another rank looked again elsewhere
-                reports, used = restored[agreed]
-                why = None
-            elif cannot is not None:
-                used, why = None, cannot
-            else:
-                used = manifest_for(invs, self.job, agreed, skip)
-                try:
-                    reports = self._restore_step(invs, agreed, state, skip, keep_state)
-                    why = None
-                except (ShardUnavailableError, StepNotFoundError, ManifestError, TierError) as e:
-                    why = str(e)
-            ok = local_ok = why is None
-            if self.world > 1:  # a collective every rank takes, its own restore failed or not
-                if not _min_over_ranks(int(ok)) and ok:
-                    ok, why = False, "another rank could not restore it"
-            if ok:
-                break
-            other = False
-            if local_ok:
-                restored[agreed] = (reports, used)  # its state holds the step: kept while the others look again
-            elif used is not None:
-                skip.add(used.checksum)
-                other = manifest_for(invs, self.job, agreed, skip) is not None
-            # whether any rank has somewhere else to look for this step: then every rank tries it again, or a rank
-            # that has already looked everywhere (S3 too) would pass it over for an older one while the others
-            # found it complete (a collective: every rank's step failed on some rank, so every rank comes here)
-            elsewhere = other or (far and not local_ok)
-            if self.world > 1:
-                elsewhere = bool(-_min_over_ranks(-int(elsewhere)))
-            if other:
-                # another tier holds a different manifest of the step (another save of it): try that one
-                log.warning("step %d of %s could not be restored with the manifest from the cheapest tier "
-                            "(%s): trying another tier's", agreed, self.job, why)
-                continue
-            if far and not local_ok:
-                log.warning("step %d of %s could not be restored from memory, peers or disk (%s): trying S3",
-                            agreed, self.job, why)
-                skip.clear()  # S3 may hold intact shards of the very manifests that failed
-                steps = add_far()
-                continue
-            if elsewhere:
-                log.info("step %d of %s: another rank looks for it in another tier; waiting for it", agreed,
-                         self.job)
-                continue
-            failed[agreed] = why
-            log.warning("step %d of %s could not be restored intact from any tier: %s", agreed, self.job, why)
-            if step is not None:
-                self._raise_not_restorable(invs, step, failed)
+                failed[agreed] = why
+                if agreed in restored:
+                    restored.pop(agreed)[0].release()
+                log.warning("step %d of %s could not be restored intact from any tier: %s", agreed, self.job, why)
+                if step is not None:
+                    self._raise_not_restorable(invs, step, failed)
         passed_over = {s: failed.get(s) or f"not restorable: {describe_step(invs, self.job, s)}"
                        for s in sorted(committed_steps(invs, self.job) | set(failed)) if s > agreed}
         if passed_over and step is None:
@@ -1035,6 +1061,7 @@ class Checkpointer:
         if down:
             log.warning("restored step %d of %s without looking in tier(s) that could not be reached, which may "
                         "hold a newer step: %s", agreed, self.job, "; ".join(down))
+        reports = prepared.reports
         self.last_restore = RestoreReport(agreed, reports, time.perf_counter() - t0, passed_over, down)
         if used is not None and used.world == self.world and "durable_of" not in used.metadata:
             # the next save stages as many bytes as this shard holds: its slot is leased and faulted in now
@@ -1071,10 +1098,10 @@ class Checkpointer:
             f"{describe_step(invs, self.job, want)}. `ckpt verify {self.job} --step {want}` shows what is "
             "damaged; make an unreachable tier reachable, or pass an older step to restore(step=...)".split()))
 
-    def _restore_step(self, invs: list[TierInventory], agreed: int, state: dict,
-                      skip: set[str], keep_state: bool = True) -> list[ShardReport]:
-        """Plan (passing over the manifests in ``skip``) and load ``agreed`` into ``state``; with ``keep_state``
-        the state is as it was if this raises."""
+    def _restore_step(self, invs: list[TierInventory], agreed: int, state: dict, skip: set[str]) -> Prepared:
+        """Plan (passing over the manifests in ``skip``) and prepare ``agreed`` for ``state``: read and verified,
+        applied by the caller (``Prepared.finish``). CPU tensors read in place are written already: the
+        caller's :func:`kept` puts them back if no step is restored in the end."""
         # saves after this restore retake the step numbers after ``agreed``: the agent drops what the
         # failed run left of them, so they are not refused as already committed
         try:
@@ -1108,13 +1135,11 @@ class Checkpointer:
                     raise
                 whole = plan_restore(invs + scan_tiers(others, self.job), self.job, agreed, needed, costs=costs,
                                      skip=skip)
-            with kept(state) if keep_state else contextlib.nullcontext():
-                reports = self._loader.load_resharded(whole, state, self.world)
+            prepared = self._loader.prepare_resharded(whole, state, self.world)
         else:
-            with kept(state) if keep_state else contextlib.nullcontext():
-                reports = [self._loader.load(plan, state)]
-        self._learn(costs, costs_file, reports)
-        return reports
+            prepared = self._loader.prepare(plan, state)
+        self._learn(costs, costs_file, prepared.reports)
+        return prepared
 
     @staticmethod
     def _learn(costs: Any, path: str | None, reports: list[ShardReport]) -> None:

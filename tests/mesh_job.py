@@ -116,6 +116,8 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--restore-only", action="store_true", help="restore the newest step, dump it, and stop")
     p.add_argument("--restore-step", type=int, help="with --restore-only: this step, not the newest")
+    p.add_argument("--restore-may-fail", action="store_true",
+                   help="with --restore-only: a failed restore is reported (error), with the state before and after")
     p.add_argument("--out", required=True)
     p.add_argument("--replicas", type=int, default=0, help="hsdp: replica groups (default: world / 2)")
     p.add_argument("--dim", type=int, default=16, help="the model's width")
@@ -137,9 +139,16 @@ def main() -> int:
     with ckpt.Checkpointer(a.job, shm=a.shm, disk=a.disk, s3=a.s3, s3_endpoint=a.s3_endpoint,
                            s3_every=1 if a.s3 else None, spawn=not a.no_spawn) as ck:
         if a.restore_only:
-            report["restored"] = ck.restore(state, step=a.restore_step)
-            report["tiers"] = ck.last_restore.tiers
-            report["seconds"] = ck.last_restore.seconds
+            if a.restore_may_fail:
+                torch.save(dump(model, optim), f"{a.out}.before.{rank}")
+            try:
+                report["restored"] = ck.restore(state, step=a.restore_step)
+                report["tiers"] = ck.last_restore.tiers
+                report["seconds"] = ck.last_restore.seconds
+            except Exception as e:
+                if not a.restore_may_fail:
+                    raise
+                report["error"] = f"{type(e).__name__}: {e}"
             report["progress"] = [state["progress"]["rank"], state["progress"]["token"].decode(),
                                   state["progress"]["seen"].tolist()]
             torch.save(dump(model, optim), f"{a.out}.dump.{rank}")

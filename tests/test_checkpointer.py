@@ -88,6 +88,47 @@ def test_round_trip_is_bit_exact_for_every_kind_of_state(tmp_path):
     _equal(saved, target)
 
 
+def _untrained() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """A model and an AdamW that has not stepped."""
+    g = torch.Generator().manual_seed(5)
+    model = torch.nn.Linear(8, 4)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=g))
+    return model, torch.optim.AdamW(model.parameters(), lr=0.05)
+
+
+def _train(model: torch.nn.Module, optim: torch.optim.Optimizer) -> None:
+    g = torch.Generator().manual_seed(6)
+    for _ in range(3):
+        model(torch.randn(4, 8, generator=g)).pow(2).mean().backward()
+        optim.step()
+        optim.zero_grad()
+
+
+def test_a_fresh_start_or_a_failed_restore_leaves_an_optimizer_that_never_stepped_as_it_was(tmp_path):
+    """Reading an optimizer's state through DCP's helper gives one that never stepped a state (a step with zero
+    gradients: AdamW's step count 1). A fresh start, or a restore that fails, must not keep it: the job's first
+    steps would then differ from the same job without checkpoints (Adam's bias correction is off by a step)."""
+    plain, _ = _untrained()
+    _train(plain, _)
+    with ckpt.Checkpointer("fresh", shm=str(tmp_path / "shm")) as ck:
+        for keep in (True, False):
+            model, optim = _untrained()
+            assert ck.restore({"model": model, "optim": optim}, keep_state=keep) is None
+            assert not optim.state, keep
+            _train(model, optim)
+            assert float(optim.state[model.weight]["step"]) == 3
+            assert torch.equal(model.weight, plain.weight) and torch.equal(model.bias, plain.bias)
+    with ckpt.Checkpointer("other", shm=str(tmp_path / "shm2")) as ck:
+        ck.save(0, {"model": torch.nn.Linear(8, 5)})  # another shape, no optimizer: the restore fails
+        ck.wait()
+        model, optim = _untrained()
+        with pytest.raises(ckpt.StateMismatchError):
+            ck.restore({"model": model, "optim": optim})
+        assert not optim.state
+
+
 def test_every_selects_steps_and_save_overlaps_until_optimizer_step(tmp_path):
     state = _state(3)
     model, optim = state["model"], state["optim"]

@@ -456,6 +456,38 @@ def test_hsdp_on_four_nodes_restores_a_lost_node_from_the_replica_node_that_is_n
         _same(before[r], after[r])
 
 
+def test_a_restore_that_fails_on_one_rank_leaves_every_ranks_state_as_it_was(tmp_path):
+    """Two ranks on one node, memory only; rank 1's shard of every step saved is damaged. Rank 0 reads each
+    step intact, rank 1 none: the restore fails on both, and rank 0's state is as it was before, its
+    parameters, its optimizer (no state yet: none applied), its values and its own tensor, although it read
+    every step whole. A rank's read is applied only once every rank has read the same step."""
+    shm, saved, again = str(tmp_path / "shm"), str(tmp_path / "saved"), str(tmp_path / "again")
+    base = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", JOB,
+            "--mode", "hsdp", "--replicas", "1", "--job", "alone", "--shm", shm]
+    p = subprocess.run(base + ["--steps", "3", "--out", saved], env=env(), capture_output=True, text=True,
+                       timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    damaged = 0
+    for step in range(3):
+        path = os.path.join(shm, "alone", f"step-{step}", "rank-1.shard")
+        if os.path.exists(path):
+            flip_byte(path, os.path.getsize(path) - 1)
+            damaged += 1
+    assert damaged, os.listdir(os.path.join(shm, "alone"))
+    p = subprocess.run(base + ["--restore-only", "--restore-may-fail", "--out", again], env=env(),
+                       capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    import torch
+
+    for r in (0, 1):
+        row = json.loads(open(f"{again}.{r}").read())
+        assert "could not be restored" in row.get("error", ""), row
+        assert row["progress"] == [-1, "", [-1.0, -1.0]], row
+        before = torch.load(f"{again}.before.{r}", weights_only=True)
+        after = torch.load(f"{again}.dump.{r}", weights_only=True)
+        _same(before, after)
+
+
 def test_fsdp_tp_writes_tp_replicated_tensors_once_to_s3_and_restores_resharded(tmp_path, s3_bucket):
     """2-D FSDP + TP on 4 ranks over two nodes (a TP pair per node): the norms and the row-wise bias, whole on
     both TP ranks, reach S3 once; every rank's S3 shard is its durable part. The TP pair shares a node, so its
