@@ -918,13 +918,17 @@ class Checkpointer:
         restore leaves ``state`` as it was: the CPU tensors a read fills in
         place are copied first (host memory for one copy of them, held during
         the restore) and put back on any failure; other tensors, JSON values
-        and modules are written only once every byte is verified. That copy
+        and modules are written only once every byte is verified, and under
+        torch.distributed only once every rank has verified the same step, so
+        a step one rank cannot restore changes nothing on the others. That copy
         costs about as much as the restore itself from memory (1 GiB of CPU
         tensors: 0.07-0.25 s); with ``keep_state=False`` it is not made, and a
         failed restore may leave CPU tensors partly overwritten (for a caller
         that exits or re-initialises the state when a restore fails).
         Tensors on an accelerator are never copied: their bytes land only
-        once verified.
+        once verified (in a restore at another world size DCP writes them as
+        it reads). An optimizer that has not stepped keeps its empty state
+        after a fresh start or a failed restore.
 
         Raises StepNotFoundError for a ``step`` that is not complete,
         RestoreError (a StepNotFoundError) when a committed step cannot be
