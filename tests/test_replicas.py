@@ -164,6 +164,27 @@ def _own_values(rank: int) -> list:
     return [rank, f"rank-{rank}", [float(rank)] * 2]
 
 
+def _lose_node0(procs: list, shms: list[str], agent) -> None:
+    """Node 0 is lost (``kill -9`` of its agent) with its memory and disk; a new agent takes its place, empty."""
+    from procs import kill9
+
+    kill9(procs[0])
+    shutil.rmtree(os.path.dirname(shms[0]))
+    procs[0] = agent(0)
+
+
+def _assert_restored(saved: str, again: str, world: int, from_replicas: set[int]) -> None:
+    """Every rank restored step 2 as saved, bit-exact, with its own values (from its head, for those restored
+    from replicas): the ranks ``from_replicas`` from their replicas' memory, the others from their own."""
+    before, after = _dumps(saved, range(world)), _dumps(again, range(world))
+    for r in range(world):
+        row = json.loads(open(f"{again}.{r}").read())
+        assert row["restored"] == 2, row
+        assert set(row["tiers"]) == ({"replicas"} if r in from_replicas else {"memory"}), row
+        assert row["progress"] == _own_values(r), row
+        _same(before[r], after[r])
+
+
 class _Nodes:
     """Simulated nodes (``nodes``, two by default) for one job: a memory folder (and a disk folder, with ``disk``; holding
     whole shards with ``disk_whole``) each, a signed peer list on loopback, S3 on moto (none when ``s3_bucket``
@@ -404,21 +425,13 @@ def test_hsdp_node_lost_restores_from_its_replicas_memory_and_peers_hold_only_un
                     assert os.path.getsize(os.path.join(folder, f"rank-{r}.head")) == m.shard(r).unique[0]
 
         # node 0 is lost with its memory and disk; a new agent takes its place, empty
-        kill9(procs[0])
-        shutil.rmtree(os.path.dirname(shms[0]))
-        procs[0] = agent(0)
+        _lose_node0(procs, shms, agent)
         again = str(tmp_path / "again")
         _run_nodes(shms, again, "--restore-only")
     finally:
         for p in procs:
             kill9(p)
-    before, after = _dumps(saved, range(4)), _dumps(again, range(4))
-    for r in range(4):
-        row = json.loads(open(f"{again}.{r}").read())
-        assert row["restored"] == 2, row
-        assert set(row["tiers"]) == ({"replicas"} if r < 2 else {"memory"}), row
-        assert row["progress"] == _own_values(r), row  # its own values, from its head
-        _same(before[r], after[r])
+    _assert_restored(saved, again, 4, from_replicas={0, 1})
 
 
 def test_hsdp_on_four_nodes_restores_a_lost_node_from_the_replica_node_that_is_not_its_placement_partner(
@@ -440,20 +453,12 @@ def test_hsdp_on_four_nodes_restores_a_lost_node_from_the_replica_node_that_is_n
         held = sorted(os.listdir(folder))
         assert "rank-0.head" in held and "rank-0.shard" not in held, held
         assert "rank-2.shard" in os.listdir(os.path.join(shms[2], "dedup", "step-2"))
-        kill9(procs[0])
-        shutil.rmtree(os.path.dirname(shms[0]))
-        procs[0] = nodes.agent(0)
+        _lose_node0(procs, shms, nodes.agent)
         _run_nodes(shms, again, "--restore-only", per_node=1)
     finally:
         for p in procs:
             kill9(p)
-    before, after = _dumps(saved, range(4)), _dumps(again, range(4))
-    for r in range(4):
-        row = json.loads(open(f"{again}.{r}").read())
-        assert row["restored"] == 2, row
-        assert set(row["tiers"]) == ({"replicas"} if r == 0 else {"memory"}), row
-        assert row["progress"] == _own_values(r), row
-        _same(before[r], after[r])
+    _assert_restored(saved, again, 4, from_replicas={0})
 
 
 def test_a_restore_that_fails_on_one_rank_leaves_every_ranks_state_as_it_was(tmp_path):
