@@ -461,6 +461,41 @@ def test_hsdp_on_four_nodes_restores_a_lost_node_from_the_replica_node_that_is_n
     _assert_restored(saved, again, 4, from_replicas={0})
 
 
+def test_hsdp_on_four_nodes_reboots_from_the_disks_listing_only_the_nodes_that_hold_its_chunks(tmp_path):
+    """HSDP 2 x 2 on four nodes of one rank, disks, no S3: the job's disks hold each chunk once, so rank r's
+    replicated chunks are on node r's disk or on its replica's node's ((r + 2) % 4). After a reboot (every
+    memory gone, the disks kept) each rank restores bit-exact from those two disks, and lists no other node's:
+    each agent counts the disk listings it answered, by the node that asked."""
+    from procs import kill9
+    from test_wire import counter, metrics
+
+    nodes = _Nodes(tmp_path, None, disk=True, nodes=4)
+    procs = [nodes.agent(n) for n in range(4)]
+    saved, again = str(tmp_path / "saved"), str(tmp_path / "again")
+    try:
+        _run_nodes(nodes.shms, saved, "--steps", "3", per_node=1)
+        for p in procs:
+            kill9(p)
+        for shm in nodes.shms:
+            shutil.rmtree(shm)
+        procs = [nodes.agent(n) for n in range(4)]
+        _run_nodes(nodes.shms, again, "--restore-only", per_node=1)
+        addrs = nodes.peers.read_text().split()
+        listed = {n: [counter(metrics(addr), "tierckpt_peer_sender_requests_total", node=str(s), route="disk-list")
+                      for s in range(4)] for n, addr in enumerate(addrs)}
+    finally:
+        for p in procs:
+            kill9(p)
+    for n in range(4):
+        assert [bool(c) for c in listed[n]] == [s == (n + 2) % 4 for s in range(4)], listed
+    before, after = _dumps(saved, range(4)), _dumps(again, range(4))
+    for r in range(4):
+        row = json.loads(open(f"{again}.{r}").read())
+        assert row["restored"] == 2 and set(row["tiers"]) <= {"disk", "peer-disk"}, row
+        assert row["progress"] == _own_values(r), row
+        _same(before[r], after[r])
+
+
 def test_a_restore_that_fails_on_one_rank_leaves_every_ranks_state_as_it_was(tmp_path):
     """Two ranks on one node, memory only; rank 1's shard of every step saved is damaged. Rank 0 reads each
     step intact, rank 1 none: the restore fails on both, and rank 0's state is as it was before, its
