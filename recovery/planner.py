@@ -225,20 +225,24 @@ def _replica_route(invs: list[TierInventory], job: str, step: int, m: Manifest, 
 
 def replica_nodes(invs: list[TierInventory], job: str, rank: int) -> set[int]:
     """The nodes whose memory a restore of ``rank`` may need besides the places listed: those of the ranks
-    holding its replicated chunks (``ShardInfo.unique``, by ``ShardInfo.node``), for every step whose manifest
-    is listed but whose shard of ``rank`` no memory place listed holds. Empty when the rank's shard is in
-    memory, or it holds no chunk another rank holds.
+    holding its replicated chunks (``ShardInfo.unique``, by ``ShardInfo.node``), for the steps newer than
+    the newest whose shard of ``rank`` a memory place listed holds. Empty when the newest step's shard is in
+    memory, or the rank holds no chunk another rank holds.
 
     A node's placement partners hold its ranks' unique parts; the data-parallel replicas that hold the rest
     may run on any node, so a rank whose node lost its memory looks in their memory too, and only there: a
     few nodes (its replicate degree), not the whole job.
     """
+    cands = _candidates(invs, job)
+    in_memory = [s for s, got in cands.items() for m, _ in got if rank < m.world and any(
+        t.name in _MEMORY_TIERS for t in _holding(invs, job, s, rank, m.shard(rank).size))]
+    newest = max(in_memory, default=-1)
     out: set[int] = set()
-    for step, got in _candidates(invs, job).items():
+    for step, got in cands.items():
+        if step <= newest:
+            continue
         for m, _ in got:
             if rank >= m.world or m.shard(rank).unique is None:
-                continue
-            if any(t.name in _MEMORY_TIERS for t in _holding(invs, job, step, rank, m.shard(rank).size)):
                 continue
             for g in m.shard(rank).unique[2]:
                 out.update(m.shard(q).node for q in g if q != rank and q < m.world)

@@ -114,6 +114,11 @@ def test_the_replicas_nodes_are_looked_in_only_for_a_rank_whose_shard_is_in_no_m
     t = MemoryTier(str(mem0.root) + "-alone")
     t.put(keys.manifest_key(JOB, STEP + 1), alone.to_bytes())
     assert replica_nodes(scan_tiers([t], JOB), JOB, 0) == set()  # no replicated chunk: nothing to look for
+    # only steps newer than the newest this rank's memory holds: an older step on disk alone needs no listing
+    older = Manifest(JOB, STEP - 1, 2, m.shards)
+    disk0.put(keys.manifest_key(JOB, STEP - 1), older.to_bytes())
+    mem0.put(keys.shard_key(JOB, STEP, 0), disk0.get(keys.shard_key(JOB, STEP, 0)))
+    assert replica_nodes(scan_tiers([mem0, disk0], JOB), JOB, 0) == set()
 
 
 def test_a_view_restore_reads_the_ranks_holding_its_chunks_and_refuses_a_plan_that_leaves_a_tensor_unread(
