@@ -186,9 +186,9 @@ def _assert_restored(saved: str, again: str, world: int, from_replicas: set[int]
 
 
 class _Nodes:
-    """Simulated nodes (``nodes``, two by default) for one job: a memory folder (and a disk folder, with ``disk``; holding
-    whole shards with ``disk_whole``) each, a signed peer list on loopback, S3 on moto (none when ``s3_bucket``
-    is None); ``agent(n)`` starts node ``n``'s agent (``alone``: without peers)."""
+    """Simulated nodes (``nodes``, two by default) for one job: a memory folder (and a disk folder, with
+    ``disk``; holding whole shards with ``disk_whole``) each, a signed peer list on loopback, S3 on moto (none
+    when ``s3_bucket`` is None); ``agent(n)`` starts node ``n``'s agent (``alone``: without peers)."""
 
     def __init__(self, tmp_path, s3_bucket, disk: bool, disk_whole: bool = False, nodes: int = 2) -> None:
         from procs import write_secret
