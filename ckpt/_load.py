@@ -38,7 +38,7 @@ from ._flatten import Flat, Leaf, decode_value, flatten_state, forget_initialize
 from ._tensors import buffer_allocator, buffer_view as _buffer_view, dtype_name as _dtype_name
 from ._tensors import dtype_of as _dtype, local_chunk
 
-__all__ = ["Prepared", "ShardLoader", "StateMismatchError", "kept", "values_rank"]
+__all__ = ["Kept", "Prepared", "ShardLoader", "StateMismatchError", "kept", "values_rank"]
 
 log = logging.getLogger("tierckpt")
 
@@ -93,29 +93,54 @@ def _direct_reader(tier: Tier, key: str, size: int):
     yield lambda batch: ranges(key, batch)
 
 
+class Kept:
+    """The state's CPU tensors as they were before a restore read into them (:func:`kept`), taken by
+    :meth:`take` just before the first read, so a restore that reads nothing copies nothing."""
+
+    def __init__(self, state: dict) -> None:
+        self.state = state
+        self.saved: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+        #: the optimizers that had no state before :meth:`take` (:attr:`Flat.uninitialized`)
+        self.uninitialized: list[torch.optim.Optimizer] = []
+
+    def take(self) -> None:
+        """Copy the CPU tensors (once; later calls do nothing)."""
+        if self.saved is not None:
+            return
+        flat = flatten_state(self.state, for_restore=True)
+        self.uninitialized = flat.uninitialized
+        self.saved = []
+        for leaf in flat.leaves:
+            if leaf.tensor is not None:
+                local = local_chunk(leaf.tensor)[0]
+                if local.is_cpu and local.numel():
+                    self.saved.append((local, local.detach().clone()))
+
+    def put_back(self) -> None:
+        """The CPU tensors as they were, and the optimizers that had no state without one."""
+        with torch.no_grad():
+            for local, old in self.saved or ():
+                local.copy_(old)
+        forget_initialized(self.uninitialized)
+
+
 @contextlib.contextmanager
-def kept(state: dict):
-    """Put the state's CPU tensors back as they were if the block raises; yields the optimizers that had no
-    state before (:attr:`Flat.uninitialized`), which a raise gives back their empty state too.
+def kept(state: dict, take: bool = True):
+    """Put the state's CPU tensors back as they were if the block raises (:class:`Kept`, yielded; copied on
+    entry, or with ``take=False`` when the block calls ``take()``); optimizers that had no state get their
+    empty state back too.
 
     A restore reads straight into CPU tensors and verifies the bytes as they land, so a damaged copy
     is found only once it has overwritten them: they are copied first (one copy of them in host memory,
     for as long as the block runs). Other tensors are written only after their bytes are verified.
     """
-    saved = []
-    flat = flatten_state(state, for_restore=True)
-    for leaf in flat.leaves:
-        if leaf.tensor is not None:
-            local = local_chunk(leaf.tensor)[0]
-            if local.is_cpu and local.numel():
-                saved.append((local, local.detach().clone()))
+    k = Kept(state)
+    if take:
+        k.take()
     try:
-        yield flat.uninitialized
+        yield k
     except BaseException:
-        with torch.no_grad():
-            for local, old in saved:
-                local.copy_(old)
-        forget_initialized(flat.uninitialized)
+        k.put_back()
         raise
 
 

@@ -961,9 +961,10 @@ class Checkpointer:
         # step -> (Prepared, manifest) where this rank read it intact but another rank did not: kept unapplied
         # while the others look again
         restored: dict[int, tuple] = {}
-        # the CPU tensors a read fills in place, put back if no step is restored in the end (every other
-        # write waits for Prepared.finish, which only a step prepared on every rank gets)
-        with kept(state) if keep_state else contextlib.nullcontext([]) as untouched, _released(restored):
+        # the CPU tensors a read fills in place, copied before the first read and put back if no step is
+        # restored in the end (every other write waits for Prepared.finish, which only a step prepared on every
+        # rank gets)
+        with kept(state, take=False) as before, _released(restored):
             while True:
                 usable = [s for s in steps if s not in failed]
                 if step is None:
@@ -1000,7 +1001,7 @@ class Checkpointer:
                                                "restore (its error says which); nothing was started fresh")
                     self._raise_not_restorable(invs, None, failed)
                     self._lease_for(state)  # a fresh start: the first save's slot is faulted in meanwhile
-                    forget_initialized(untouched)  # the first step starts as it would without a checkpoint
+                    forget_initialized(before.uninitialized)  # its first step starts as it would without us
                     return None
                 skip = skipped.setdefault(agreed, set())
                 if agreed in restored:  # this rank read it already; another rank looked again elsewhere
@@ -1010,6 +1011,8 @@ class Checkpointer:
                     used, why = None, cannot
                 else:
                     used = manifest_for(invs, self.job, agreed, skip)
+                    if keep_state:
+                        before.take()
                     try:
                         prepared = self._restore_step(invs, agreed, state, skip)
                         why = None
