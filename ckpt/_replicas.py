@@ -16,7 +16,9 @@ chunk. So, with no configuration:
   bytes each node drains too.
 
 A tensor that is not a DTensor (plain DDP, a pipeline stage's module) says nothing about copies: it is
-taken as this rank's alone. ``Partial`` placements hold different bytes per rank and are never shared.
+taken as this rank's alone, unless the job describes it (:func:`described`: ``Checkpointer(replicated=
+{"model": dp_group, "optim": dp_group})``), when its holders are the described group, dealt owners as
+above. ``Partial`` placements hold different bytes per rank and are never shared.
 
 Pure and cheap (a few microseconds per DTensor): called on every save's flattened state.
 """
@@ -29,7 +31,9 @@ from typing import Any
 
 import torch
 
-__all__ = ["Replicas", "OwnerBalance", "replicas_of", "unique_bytes"]
+from ._flatten import _seg
+
+__all__ = ["Replicas", "OwnerBalance", "replicas_of", "described", "unique_bytes"]
 
 
 @dataclass(frozen=True)
@@ -128,3 +132,60 @@ def unique_bytes(tensors: list[tuple[torch.Tensor, int]]) -> tuple[int, int]:
         if r is None or bal.deal(r, n).mine:
             owned += n
     return held, owned
+
+
+def described(replicated: Any, rank: int, world: int) -> dict[str, Replicas]:
+    """The holders of this rank's plain tensors under each top-level key of the state, as the job says them:
+    ``Checkpointer(replicated={"model": group, "optim": group})``. For what no DTensor placement tells: a
+    DDP model and its optimizer, a pipeline stage kept by several data-parallel replicas. A group is a
+    process group, a 1-D device mesh or a sequence of global ranks, this rank among them; its ranks must
+    hold the same tensors under the key, with the same bytes, in the same order (as data-parallel replicas
+    do), and every one of them must describe the same group. DTensors under a described key keep what
+    their placements say.
+
+    Returns ``{escaped key: Replicas}`` (keys whose group is this rank alone are left out); raises
+    ``ValueError`` saying what is wrong with a description."""
+    if replicated is None:
+        return {}
+    if not isinstance(replicated, dict):
+        raise ValueError(f"replicated must be a dict of state key -> group of ranks holding identical copies, "
+                         f"got a {type(replicated).__name__}")
+    out: dict[str, Replicas] = {}
+    for key, group in replicated.items():
+        if not isinstance(key, str) or not key:
+            raise ValueError(f"replicated: {key!r} is not a top-level key of the state (a non-empty str)")
+        ranks = _group_ranks(key, group)
+        bad = [r for r in ranks if not 0 <= r < world]
+        if bad:
+            raise ValueError(f"replicated[{key!r}] names ranks {bad} outside the job's world of {world}")
+        if len(set(ranks)) != len(ranks):
+            raise ValueError(f"replicated[{key!r}] names a rank twice: {list(ranks)}")
+        if rank not in ranks:
+            raise ValueError(f"replicated[{key!r}] = {list(ranks)} does not include this rank ({rank}): give each "
+                             f"rank the group of ranks that hold the same copy as it does (its data-parallel "
+                             f"group)")
+        holders = tuple(sorted(ranks))
+        if len(holders) > 1:
+            out[_seg(key)] = Replicas(holders, holders.index(rank), 0, ("described", holders))
+    return out
+
+
+def _group_ranks(key: str, group: Any) -> tuple[int, ...]:
+    """The global ranks of a process group, a 1-D device mesh, or a sequence of ranks."""
+    mesh = getattr(group, "mesh", None)
+    if isinstance(mesh, torch.Tensor):  # a DeviceMesh
+        if mesh.dim() != 1:
+            names = getattr(group, "mesh_dim_names", None)
+            raise ValueError(f"replicated[{key!r}] is a {mesh.dim()}-D device mesh{f' {names}' if names else ''}: "
+                             f"give the 1-D mesh of the replicas (e.g. mesh['dp'])")
+        return tuple(int(r) for r in mesh.tolist())
+    if isinstance(group, (list, tuple, range)):
+        if not all(isinstance(r, int) and not isinstance(r, bool) for r in group):
+            raise ValueError(f"replicated[{key!r}] must hold global ranks (ints), got {list(group)!r}")
+        return tuple(group)
+    import torch.distributed as dist
+
+    if dist.is_available() and isinstance(group, dist.ProcessGroup):
+        return tuple(int(r) for r in dist.get_process_group_ranks(group))
+    raise ValueError(f"replicated[{key!r}] is a {type(group).__name__}: give a process group, a 1-D device mesh or "
+                     f"a list of global ranks")

@@ -33,7 +33,7 @@ from tiers.layout import Layout
 from tiers.manifest import BYTES_DTYPE, SPILL_BYTES, VALUES_NAME, TensorChunk, encode_value
 
 from ._flatten import Flat
-from ._replicas import OwnerBalance, replicas_of
+from ._replicas import OwnerBalance, Replicas, replicas_of
 from ._tensors import dtype_name, local_chunk
 
 __all__ = ["ShardPlan", "ShardPlanner", "ALIGN"]
@@ -125,7 +125,9 @@ class _Values:
 class ShardPlanner:
     """Lays out one rank's shard for each save (see the module docstring); one per Checkpointer."""
 
-    def __init__(self) -> None:
+    def __init__(self, described: dict[str, Replicas] | None = None) -> None:
+        #: escaped top-level key -> the holders of this rank's plain tensors under it (``_replicas.described``)
+        self.described = dict(described or {})
         self._sig: list | None = None
         self._offsets: list[int] = []
         self._sizes: list[int] = []
@@ -137,6 +139,15 @@ class ShardPlanner:
         self._durable = 0
         self._unique: tuple[int, list[list[int]]] | None = None
         self._values = _Values()
+
+    def replicas(self, name: str, t: Any) -> Replicas | None:
+        """The holders of this rank's chunk of the tensor ``t`` named ``name`` in the flattened state: a
+        DTensor's from its placements, a plain tensor's from the description of its top-level key."""
+        if type(t) in _PLAIN:
+            if not self.described:
+                return None
+            return self.described.get(name.split("/", 1)[0])
+        return replicas_of(t)
 
     def plan(self, flat: Flat, overlap: bool) -> ShardPlan:
         """The shard of ``flat``, in three parts (:mod:`ckpt._replicas`): what no other rank holds (its own
@@ -228,7 +239,7 @@ class ShardPlanner:
             chunk = TensorChunk(leaf.name, dtype_name(local.dtype), tuple(gshape), tuple(chunk_offsets),
                                 tuple(local.shape), 0, n)
             sizes[i] = n
-            rep = replicas_of(leaf.tensor) if n else None
+            rep = self.replicas(leaf.name, leaf.tensor) if n else None
             if rep is not None:
                 groups[rep.holders] = None
                 # this rank writes it to the shared tier for every holder, or another holder does

@@ -70,8 +70,9 @@ from tiers.layout import Layout
 
 from ._devices import DeviceAdapter, Item, make_adapter
 from . import _guard
-from ._flatten import flatten_state, forget_initialized
+from ._flatten import StateError, flatten_state, forget_initialized
 from ._load import Prepared, ShardLoader, StateMismatchError, kept
+from ._replicas import described
 from ._shard_plan import ShardPlanner
 
 __all__ = ["Checkpointer", "SaveFuture", "RestoreReport", "CheckpointError", "RestoreError", "StateMismatchError"]
@@ -220,7 +221,20 @@ class Checkpointer:
     than an optimizer step changes parameters in place (weights edited by
     hand): every tensor is then copied before ``save`` returns.
 
-    Raises InvalidNameError for a bad job name, AgentUnreachableError when no
+    ``replicated``: which parts of the state other ranks hold identical
+    copies of where no DTensor placement says so, ``{top-level state key:
+    group}`` with a group a process group, a 1-D device mesh or a list of
+    global ranks, this rank among them: ``{"model": dp_group, "optim":
+    dp_group}`` for a DDP job, or for a pipeline stage kept by several
+    data-parallel replicas. The plain tensors under those keys are then
+    written to disk and S3 by one rank of the group for all of them, and
+    count as copies in memory. Every rank of a group must give the same
+    group and hold the same tensors there, bit for bit (as data-parallel
+    replicas do): the description is trusted as DTensor placements are.
+    Never describe per-rank tensors (RNG states, a data loader's position).
+
+    Raises InvalidNameError for a bad job name, ValueError for a
+    ``replicated`` that names ranks not holding this rank's copy, AgentUnreachableError when no
     agent runs and ``spawn`` is False, SettingsConflictError (a ValueError)
     naming each setting the running agent has otherwise.
     """
@@ -247,6 +261,7 @@ class Checkpointer:
         idle_exit: float = 120.0,
         verify: bool = True,
         overlap: bool = True,
+        replicated: dict | None = None,
     ) -> None:
         self.job = keys.check_job(job)
         if not isinstance(every, int) or every < 1:
@@ -264,6 +279,8 @@ class Checkpointer:
             self.rank, self.world = dist.get_rank(), dist.get_world_size()
         else:
             self.rank, self.world = 0, 1
+        holders = described(replicated, self.rank, self.world)  # a bad description fails before an agent starts
+        self._replicated = tuple(replicated or ())
         _warn_restart_store(self.rank)
         self._client, self._started_agent, self.settings = self._connect(given, spawn, idle_exit)
         self._check_nodes()
@@ -277,7 +294,7 @@ class Checkpointer:
         self._devices: dict[str, DeviceAdapter] = {}
         self._inflight: SaveFuture | None = None
         #: where each leaf goes in the shard, worked out again only when the state's shape changes
-        self._planner = ShardPlanner()
+        self._planner = ShardPlanner(holders)
         #: the digest of the last layout the agent accepted
         self._layout_sent: str | None = None
         self._errors: list[str] = []
@@ -507,6 +524,9 @@ class Checkpointer:
             self._raise_pending()
         if self.overlap:
             self._install_hook()  # before flattening: a container's state_dict may take an optimizer step
+        if self._replicated and not all(k in state for k in self._replicated):
+            raise StateError(f"replicated describes {[k for k in self._replicated if k not in state]}, which the "
+                             f"state does not hold (its keys: {list(state)[:20]}): describe keys of the state saved")
         plan = self._planner.plan(flatten_state(state), self.overlap)
         layout, values, copies, total = plan.layout, plan.values, plan.copies, plan.total
         durable, unique = plan.durable, plan.unique

@@ -3,7 +3,9 @@
     python -m torch.distributed.run --nproc-per-node 4 tests/mesh_job.py --mode hsdp|fsdp_tp
            --job J --shm DIR [--disk DIR] --steps N --out FILE
 
-``hsdp``: ``fully_shard`` on a (replicate=2, shard=2) mesh, the parameters and optimizer state
+``ddp``: ``DistributedDataParallel`` over the world, its model and optimizer described to the Checkpointer
+as replicated on every rank (``replicated=``), as no DTensor says so. ``hsdp``: ``fully_shard`` on a
+(replicate=2, shard=2) mesh, the parameters and optimizer state
 ``(Replicate(), Shard(0))`` DTensors. ``fsdp_tp``: a (dp=2, tp=2) mesh, an MLP block parallelised as
 torchtitan does (column-wise, then row-wise with a sequence-sharded output, the norm sequence-parallel so
 its weight and bias are replicated over tp), then ``fully_shard`` over dp.
@@ -31,7 +33,7 @@ from torch.distributed.fsdp import fully_shard
 
 import ckpt
 from ckpt._flatten import flatten_state
-from ckpt._replicas import OwnerBalance, replicas_of
+from ckpt._replicas import OwnerBalance
 from ckpt._tensors import local_chunk
 
 
@@ -85,6 +87,10 @@ def build(mode: str, replicas: int = 0, dim: int = 16):
             b.register_forward_hook(lambda m, i, o: o.redistribute(o.device_mesh, [Replicate()]).to_local())
             fully_shard(b, mesh=mesh["dp"])
         fully_shard(model, mesh=mesh["dp"])
+    elif mode == "ddp":
+        from torch.nn.parallel import DistributedDataParallel
+
+        model = DistributedDataParallel(model)
     else:
         raise SystemExit(f"unknown --mode {mode}")
     return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -95,6 +101,7 @@ def dump(model, optim) -> dict:
     def whole(t):
         return t.full_tensor() if hasattr(t, "full_tensor") else t
 
+    model = getattr(model, "module", model)  # DDP's names without its prefix
     names = {id(p): n for n, p in model.named_parameters()}
     out = {f"param/{n}": whole(p.detach()).clone() for n, p in model.named_parameters()}
     for p, st in optim.state.items():
@@ -136,8 +143,10 @@ def main() -> int:
         state["progress"] = {"rank": -1, "token": b"", "seen": torch.full((2,), -1.0)}
     losses = []
     report: dict = {"rank": rank}
+    # DDP: every rank holds the same model and optimizer state (a process group, and a list of ranks)
+    replicated = {"model": dist.group.WORLD, "optim": range(dist.get_world_size())} if a.mode == "ddp" else None
     with ckpt.Checkpointer(a.job, shm=a.shm, disk=a.disk, s3=a.s3, s3_endpoint=a.s3_endpoint,
-                           s3_every=1 if a.s3 else None, spawn=not a.no_spawn) as ck:
+                           s3_every=1 if a.s3 else None, spawn=not a.no_spawn, replicated=replicated) as ck:
         if a.restore_only:
             if a.restore_may_fail:
                 torch.save(dump(model, optim), f"{a.out}.before.{rank}")
@@ -154,8 +163,8 @@ def main() -> int:
             torch.save(dump(model, optim), f"{a.out}.dump.{rank}")
         else:
             for step in range(a.steps):
-                # the same batch on the tp ranks of a dp rank; HSDP's every rank is a dp rank
-                dp = rank if a.mode == "hsdp" else rank // 2
+                # the same batch on the tp ranks of a dp rank; HSDP's and DDP's every rank is a dp rank
+                dp = rank // 2 if a.mode == "fsdp_tp" else rank
                 g = torch.Generator().manual_seed(step * 100 + dp)
                 x = torch.randn(4, 8, a.dim, generator=g)
                 loss = model(x).pow(2).mean()
@@ -174,7 +183,7 @@ def main() -> int:
                     continue
                 local, _, offsets = local_chunk(leaf.tensor)
                 n = local.numel() * local.element_size()
-                r = replicas_of(leaf.tensor) if n else None
+                r = ck._planner.replicas(leaf.name, leaf.tensor) if n else None
                 if r is not None:
                     r = bal.deal(r, n)
                 raw = local.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()

@@ -1,0 +1,169 @@
+"""Replication the job describes where no DTensor placement says it: ``Checkpointer(replicated=...)``.
+
+A DDP model and its optimizer, or a pipeline stage kept by several data-parallel replicas, are plain tensors
+that every replica holds bit for bit. Described, they are written to disk and S3 once for the group (by an
+owner dealt as for DTensor replicas, :mod:`ckpt._replicas`), and a rank that lost its node restores them from
+a replica's memory. The end-to-end tests run real jobs under torchrun (gloo): ``DistributedDataParallel``
+(tests/mesh_job.py ``--mode ddp``) and ``torch.distributed.pipelining`` (tests/pp_trainer.py ``--describe``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import types
+
+import pytest
+import torch
+
+import ckpt
+from ckpt._flatten import flatten_state
+from ckpt._replicas import Replicas, described
+from ckpt._shard_plan import ShardPlanner
+
+
+# ---------------------------------------------------------------- the description, refused when it is wrong
+
+
+def test_a_description_names_sorted_holders_per_escaped_key_and_drops_a_group_of_one():
+    want = {"model": Replicas((1, 3), 0, 0, ("described", (1, 3))),
+            "optim": Replicas((1, 3), 0, 0, ("described", (1, 3))),
+            "a~1b": Replicas((0, 1), 1, 0, ("described", (0, 1)))}
+    # the holders are the same whatever order each rank gives them in
+    assert described({"model": [3, 1], "optim": (1, 3), "a/b": range(0, 2), "alone": [1]}, 1, 4) == want
+    assert described({"model": [1, 3], "optim": [3, 1], "a/b": [1, 0], "alone": [1]}, 1, 4) == want
+    assert described(None, 0, 4) == {} and described({}, 0, 4) == {}
+    assert described({"model": [0, 2]}, 2, 4)["model"].index == 1
+
+
+def test_a_2d_mesh_is_refused_and_a_1d_one_gives_its_ranks():
+    mesh_2d = types.SimpleNamespace(mesh=torch.arange(4).reshape(2, 2), mesh_dim_names=("dp", "tp"))
+    with pytest.raises(ValueError, match=r"2-D device mesh \('dp', 'tp'\).*mesh\['dp'\]"):
+        described({"model": mesh_2d}, 0, 4)
+    mesh_1d = types.SimpleNamespace(mesh=torch.tensor([1, 3]), mesh_dim_names=("dp",))
+    assert described({"model": mesh_1d}, 3, 4)["model"].holders == (1, 3)
+
+
+@pytest.mark.parametrize("replicated,match", [
+    ({"model": [0, 1]}, r"does not include this rank \(2\).*data-parallel group"),
+    ({"model": [2, 4]}, r"ranks \[4\] outside the job's world of 4"),
+    ({"model": [2, 2, 3]}, "names a rank twice"),
+    ({"model": [2, True]}, "global ranks"),
+    ({"model": "dp"}, "is a str: give a process group"),
+    ({"": [2, 3]}, "top-level key"),
+    ({1: [2, 3]}, "top-level key"),
+    ([("model", [2, 3])], "must be a dict"),
+])
+def test_a_wrong_description_is_refused_with_what_is_wrong(replicated, match):
+    with pytest.raises(ValueError, match=match):
+        described(replicated, 2, 4)
+
+
+def test_a_wrong_description_is_refused_before_an_agent_is_looked_for(tmp_path):
+    # with no agent and spawn=False, a description checked later would fail as "no agent" instead
+    with pytest.raises(ValueError, match="outside the job's world of 1"):
+        ckpt.Checkpointer("d", shm=str(tmp_path / "shm"), spawn=False, replicated={"model": [0, 1]})
+
+
+def test_a_described_key_the_state_does_not_hold_is_refused_at_save_and_nothing_is_written(tmp_path):
+    shm = tmp_path / "shm"
+    with ckpt.Checkpointer("d", shm=str(shm), replicated={"model": [0], "optimizer": [0]}) as ck:
+        with pytest.raises(ckpt.StateError, match=r"\['optimizer'\].*describe keys of the state"):
+            ck.save(0, {"model": {"w": torch.ones(3)}, "optim": {}})
+        assert ck.restore({"model": {"w": torch.ones(3)}, "optim": {}}) is None
+
+
+# ---------------------------------------------------------------- the layout: each described tensor once
+
+
+def _state(rank: int) -> dict:
+    g = torch.Generator().manual_seed(5)
+    return {"model": {f"w{i}": torch.randn(64 * (i + 1), generator=g) for i in range(5)},
+            "optim": {"step": torch.tensor(3.0), "m": torch.randn(100, generator=g)},
+            "rng": torch.full((16,), float(rank))}  # each rank's own
+
+
+def _names(layout, lo: int, hi: int) -> set[str]:
+    return {c.name for c in layout.chunks if lo <= c.offset < hi}
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_each_described_tensor_is_in_exactly_one_holders_durable_part_and_owners_are_balanced(world):
+    """Every holder lays out the same owners alone: each described tensor is in exactly one rank's durable
+    part, the per-rank tensor in every rank's unique part, and no owner holds more than the biggest tensor
+    above another."""
+    plans = []
+    for r in range(world):
+        holders = described({"model": range(world), "optim": list(range(world))}, r, world)
+        plans.append(ShardPlanner(holders).plan(flatten_state(_state(r)), False))
+    durable: dict[str, list[int]] = {}
+    owned = []
+    for r, p in enumerate(plans):
+        unique = p.unique[0]
+        assert p.unique[1] == [list(range(world))]
+        assert _names(p.layout, 0, unique) == {"rng"}  # only what no other rank holds
+        mine = _names(p.layout, unique, p.durable)
+        for n in mine:
+            durable.setdefault(n, []).append(r)
+        owned.append(sum(c.nbytes for c in p.layout.chunks if unique <= c.offset < p.durable))
+        # the whole state is in the shard all the same (memory keeps what each rank holds)
+        assert {c.name for c in p.layout.chunks} == {c.name for c in plans[0].layout.chunks}
+    every = {n for n in _names(plans[0].layout, 0, plans[0].total) if n != "rng"}
+    assert set(durable) == every and all(len(v) == 1 for v in durable.values()), durable
+    assert max(owned) - min(owned) <= 64 * 5 * 4
+
+
+def test_without_a_description_plain_tensors_stay_each_ranks_own():
+    p = ShardPlanner().plan(flatten_state(_state(0)), False)
+    assert p.unique is None and p.durable == p.total
+
+
+# ---------------------------------------------------------------- DDP on two nodes (tests/mesh_job.py --mode ddp)
+
+
+@pytest.mark.e2e
+def test_ddp_on_two_nodes_writes_each_tensor_once_and_a_lost_node_restores_from_its_replicas_memory(tmp_path,
+                                                                                                    s3_bucket):
+    """DDP on 4 ranks of 2 nodes, model and optimizer described as replicated on every rank: the ranks' copies
+    really are identical (checked against their bytes); disk and S3 hold the unique bytes once (a quarter of
+    what memory holds), split evenly between the nodes. Node 0 is then lost (agent ``kill -9``, memory and
+    disk gone): its ranks restore from node 1's memory (their heads and a replica's shard), bit-exact, with
+    their own values and tensor, reading no disk and no S3. Last, 2 ranks on one node restore from S3 alone."""
+    from procs import kill9
+    from test_replicas import (_assert_restored, _check_holders_hold_identical_bytes_and_agree_on_one_owner,
+                               _dumps, _lose_node0, _Nodes, _run_nodes, _s3_shards)
+
+    nodes = _Nodes(tmp_path, s3_bucket, disk=True)
+    shms, agent = nodes.shms, nodes.agent
+    procs = [agent(0), agent(1)]
+    saved = str(tmp_path / "saved")
+    try:
+        _run_nodes(shms, saved, "--steps", "3", mode="ddp")
+        rows = [json.loads(open(f"{saved}.{r}").read()) for r in range(4)]
+        _check_holders_hold_identical_bytes_and_agree_on_one_owner(rows)
+        for row in rows:
+            for c in row["chunks"]:
+                want = [row["rank"]] if c["name"].startswith("progress/") else [0, 1, 2, 3]
+                assert c["holders"] == want, (row["rank"], c["name"], c["holders"])
+        memory = {row["rank"]: row["shard_size"] for row in rows}
+        durable = {row["rank"]: row["durable"] for row in rows}
+        unique = sum(c["nbytes"] for row in rows for c in row["chunks"] if c["owner"] == row["rank"])
+        s3 = _s3_shards(nodes.endpoint, nodes.bucket, 2)
+        assert s3 == durable, (s3, durable)
+        assert unique <= sum(s3.values()) <= unique + 4 * 4096, (unique, s3)  # alignment, per shard
+        assert sum(s3.values()) < 0.3 * sum(memory.values()), (s3, memory)
+        per_node = [s3[0] + s3[1], s3[2] + s3[3]]
+        biggest = max(c["nbytes"] for row in rows for c in row["chunks"])
+        assert abs(per_node[0] - per_node[1]) <= 2 * biggest, per_node
+        on_disk = {r: os.path.getsize(os.path.join(nodes.disks[r // 2], "dedup", "step-2", f"rank-{r}.shard"))
+                   for r in range(4)}
+        assert on_disk == durable, (on_disk, durable)
+        _lose_node0(procs, shms, agent)
+        again = str(tmp_path / "again")
+        _run_nodes(shms, again, "--restore-only", mode="ddp")
+    finally:
+        for p in procs:
+            kill9(p)
+    _assert_restored(saved, again, 4, from_replicas={0, 1})
+    before = _dumps(saved, range(4))
+    nodes.restore_from_s3(str(tmp_path / "half"), before, 1, "ddp")
