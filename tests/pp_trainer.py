@@ -22,7 +22,10 @@ reproducible. One JSON line per event goes to ``--out.<rank>``: ``{"restored": s
 ``{"step": s, "loss": "<float.hex>" | null, "digest": "<sha256 of the stage's parameters>"}`` (the loss is
 known on the last stage only). ``STAGED <step>`` is printed once ``--hang-after``'s save is committed.
 
-    torchrun --nproc-per-node 4 tests/pp_trainer.py --job J --shm DIR --steps N [--stages 2]
+With ``--describe`` the Checkpointer is told that the replicas of a stage hold the same model and optimizer
+(``replicated=``, a process group and a 1-D device mesh), so each stage is written to disk and S3 once.
+
+    torchrun --nproc-per-node 4 tests/pp_trainer.py --job J --shm DIR --steps N [--stages 2] [--describe]
              [--hang-after S] [--dump FILE] [--dump-restored FILE] [--init-from FILE --init-step S]
 """
 
@@ -124,6 +127,8 @@ def main() -> int:
                                        "replica in the run that dumped it> instead of restoring")
     p.add_argument("--init-step", type=int, default=-1, help="with --init-from: the step that state is of")
     p.add_argument("--init-replicas", type=int, default=1, help="with --init-from: that run's replicas per stage")
+    p.add_argument("--describe", action="store_true",
+                   help="tell the Checkpointer that a stage's replicas hold the same model and optimizer")
     a = p.parse_args()
 
     dist.init_process_group("gloo")
@@ -157,7 +162,8 @@ def main() -> int:
 
     # the stage number is a value that differs between stages: a rank must get its own stage's back
     state = {"model": model, "optim": optim, "progress": {"step": -1, "stage": stage_id}}
-    with ckpt.Checkpointer(a.job, shm=a.shm, every=1, spawn=not a.no_spawn) as ck:
+    replicated = {"model": dp_group, "optim": mesh["dp"]} if a.describe else None
+    with ckpt.Checkpointer(a.job, shm=a.shm, every=1, spawn=not a.no_spawn, replicated=replicated) as ck:
         if a.init_from:
             src = torch.load(f"{a.init_from}.{stage_id * a.init_replicas}", weights_only=True)
             model.load_state_dict(src["model"])

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import types
 
 import pytest
@@ -167,3 +168,61 @@ def test_ddp_on_two_nodes_writes_each_tensor_once_and_a_lost_node_restores_from_
     _assert_restored(saved, again, 4, from_replicas={0, 1})
     before = _dumps(saved, range(4))
     nodes.restore_from_s3(str(tmp_path / "half"), before, 1, "ddp")
+
+
+# ---------------------------------------------------------------- pipeline stages (tests/pp_trainer.py --describe)
+
+
+@pytest.mark.e2e
+def test_pipeline_stages_described_are_written_once_to_disk_and_restore_from_it_at_either_replica_count(tmp_path):
+    """2 stages x 2 replicas, each stage's model and optimizer described as held by its replicas: the disk
+    holds each stage once (the two replicas' durable parts together about half of what memory holds). With
+    memory lost, the same 2 x 2 job restores from disk, each rank its own stage's state exactly as saved and
+    its own step counter; then 2 stages x 1 replica restore from disk too. Each state equals what the saving
+    run dumped with plain ``state_dict``."""
+    from procs import read_events, start_agent
+    from test_pipeline_parallel import SAVED, _assert_same_state, _finish, _launch, _stop
+
+    from tiers.keys import manifest_key
+    from tiers.manifest import Manifest
+
+    shm, disk = str(tmp_path / "shm"), str(tmp_path / "disk")
+
+    def agent():
+        return start_agent(shm, "--disk", disk, "--disk-every", "1")
+
+    a = agent()
+    try:
+        _finish(_launch(4, str(tmp_path / "ev-saved"), "--job", "pp", "--shm", shm, "--no-spawn", "--describe",
+                        "--steps", str(SAVED + 1), "--dump", str(tmp_path / "saved")))
+        m = Manifest.from_bytes(open(os.path.join(shm, *manifest_key("pp", SAVED).split("/")), "rb").read())
+    finally:
+        _stop([a])
+    step_dir = os.path.join(disk, "pp", f"step-{SAVED}")
+    on_disk = {r: os.path.getsize(os.path.join(step_dir, f"rank-{r}.shard")) for r in range(4)}
+    for stage in (0, 1):
+        pair = (2 * stage, 2 * stage + 1)
+        assert all(m.shard(r).unique[2] == (pair,) for r in pair), [m.shard(r).unique for r in pair]
+        assert all(on_disk[r] == m.shard(r).durable[0] for r in pair), (on_disk, m.shard(pair[0]).durable)
+        # the stage once, split between its replicas (plus each one's own few bytes and alignment)
+        assert sum(on_disk[r] for r in pair) < 0.6 * sum(m.shard(r).size for r in pair), (on_disk, m.shards)
+        assert all(on_disk[r] < 0.75 * m.shard(r).size for r in pair), (on_disk, m.shards)
+
+    for replicas in (2, 1):
+        shutil.rmtree(shm, ignore_errors=True)  # memory lost; the disk kept
+        a = agent()
+        out, dumped = str(tmp_path / f"ev-{replicas}"), str(tmp_path / f"restored-{replicas}")
+        try:
+            _finish(_launch(2 * replicas, out, "--job", "pp", "--shm", shm, "--no-spawn", "--describe",
+                            "--steps", str(SAVED + 1), "--dump-restored", dumped))
+        finally:
+            _stop([a])
+        for rank in range(2 * replicas):
+            stage = rank // replicas
+            ev = [e for e in read_events(f"{out}.{rank}") if "restored" in e]
+            assert len(ev) == 1 and ev[0]["restored"] == SAVED and set(ev[0]["tiers"]) == {"disk"}, (rank, ev)
+            # from the shards of its own stage's replicas (one of them wrote each tensor), never another stage's
+            assert set(ev[0]["ranks"]) <= {2 * stage, 2 * stage + 1}, (rank, ev)
+            _assert_same_state(torch.load(f"{dumped}.{rank}", weights_only=True),
+                               torch.load(f"{tmp_path / 'saved'}.{stage * 2 + rank % replicas}", weights_only=True),
+                               f"{replicas} replicas, rank {rank}")
