@@ -151,6 +151,26 @@ def unique_part(n: object, groups: object, rank: int, world: int, nbytes: int, d
     return n, tuple(out)
 
 
+def check_groups(uniques: dict[int, tuple[tuple[int, ...], ...]]) -> None:
+    """Refuse a step whose ranks disagree on who holds copies of their chunks (``uniques``: per rank that
+    named any, its holder groups): every rank of a group one rank names must name the same group, since its
+    copy of those chunks is written to the shared tiers by the one owner they all deal alike. Holders taken
+    from DTensor placements always agree; a ``replicated=`` description given differently on two ranks (or on
+    one rank only) does not, and would leave chunks that no rank writes. ValueError saying who disagrees."""
+    named: dict[tuple[int, ...], set[int]] = {}  # each group once (hashed, not compared pairwise): O(world x R)
+    for rank, groups in uniques.items():
+        for g in groups:
+            named.setdefault(g, set()).add(rank)
+    for g, ranks in named.items():
+        if len(ranks) != len(g):  # every rank naming a group is in it (unique_part): some member names another
+            q = min(set(g) - ranks)
+            theirs = [list(x) for x in uniques.get(q, ())]
+            raise ValueError(
+                f"ranks disagree on who holds copies of each other's tensors: rank {min(ranks)} names the holders "
+                f"{list(g)}, but rank {q} names {theirs or 'none'}; every rank of a group must give the same "
+                f"Checkpointer(replicated=...) description (the group of ranks holding its copy), or none")
+
+
 #: the largest count a commit row may carry (world, bytes, node, save index): what a manifest's JSON holds exactly
 _MAX_COUNT = 2**53
 
@@ -367,6 +387,7 @@ class StepBook:
                     unique = (n, await usum, groups)
                 shards.append(ShardInfo(r, pend.sizes[r], await pend.checksums[r], pend.entries[r],
                                         pend.nodes.get(r, self.me), pend.layouts[r], durable, unique))
+            check_groups({s.rank: s.unique[2] for s in shards if s.unique is not None})
             meta = dict(pend.metadata)
             meta["save_index"] = pend.save_index
             m = Manifest(job, step, pend.world, tuple(shards), meta, created=pend.created)

@@ -1,6 +1,6 @@
 """Bytes per step in each tier for an HSDP job with R replica groups: what each chunk costs once, against today.
 
-    python benchmarks/bench_dedup.py [--dim 256] [--steps 3] [--replicas 1,2,4] [--no-whole]
+    python benchmarks/bench_dedup.py [--dim 256] [--steps 3] [--replicas 1,2,4] [--no-whole] [--mode ddp]
 
 A real job (tests/mesh_job.py: FSDP2 ``fully_shard`` on a (replicate=R, shard=4/R) mesh, 4 ranks, gloo)
 on two simulated nodes of 2 ranks, each with its own agent and shared-memory folder on loopback, every
@@ -22,6 +22,10 @@ last step it measures, from the objects each place holds:
   unique part (``rank-R.head``) where the job's own data-parallel replicas already keep the asked-for two
   copies of every replicated chunk on distinct nodes -- against what it held before that rule, every
   other node's whole shard (the memory figure of the same run, two nodes each copying to the other).
+
+``--mode ddp``: the same for ``DistributedDataParallel`` on the 4 ranks (R = 4), its model and optimizer
+described to the Checkpointer as replicated on every rank (``replicated=``); the ``--disk-whole`` run and the
+"before" columns are what every rank wrote without a description.
 
 Ratios are against unique. Scale: a model of ``--dim`` (about 100 * dim^2 bytes of parameters and AdamW
 state); the ratios do not depend on it beyond alignment and values.
@@ -59,7 +63,8 @@ def _sizes(folder: str, job: str, step: int, kind: str = ".shard") -> dict[int, 
     return out
 
 
-def run(replicas: int, dim: int, steps: int, endpoint: str, root: str, whole: bool = False) -> dict:
+def run(replicas: int, dim: int, steps: int, endpoint: str, root: str, whole: bool = False,
+        mode: str = "hsdp") -> dict:
     import boto3
 
     bucket = f"dedup-r{replicas}" + ("-whole" if whole else "")
@@ -87,7 +92,7 @@ def run(replicas: int, dim: int, steps: int, endpoint: str, root: str, whole: bo
         try:
             jobs = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank",
                                       str(n), "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-                                      "--master-port", str(port), JOB, "--mode", "hsdp", "--replicas", str(replicas),
+                                      "--master-port", str(port), JOB, "--mode", mode, "--replicas", str(replicas),
                                       "--dim", str(dim), "--job", "dedup", "--shm", shms[n], "--no-spawn",
                                       "--out", out, *args], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                                      text=True, env=env())
@@ -137,7 +142,11 @@ def main() -> int:
     ap.add_argument("--replicas", default="1,2,4")
     ap.add_argument("--no-whole", dest="whole", action="store_false",
                     help="skip the --disk-whole baseline runs")
+    ap.add_argument("--mode", choices=("hsdp", "ddp"), default="hsdp",
+                    help="ddp: DistributedDataParallel described as replicated on all 4 ranks (R = 4)")
     a = ap.parse_args()
+    if a.mode == "ddp":
+        a.replicas = "4"
     os.environ.update(FAKE_AWS_ENV)
     proc, endpoint = start_moto_server()
     results, whole = [], {}
@@ -146,7 +155,7 @@ def main() -> int:
             for w in ([False, True] if a.whole else [False]):
                 root = tempfile.mkdtemp(prefix=f"bench-dedup-r{r}-")
                 try:
-                    got = run(r, a.dim, a.steps, endpoint, root, whole=w)
+                    got = run(r, a.dim, a.steps, endpoint, root, whole=w, mode=a.mode)
                 finally:
                     shutil.rmtree(root, ignore_errors=True)
                 if w:
@@ -168,7 +177,7 @@ def main() -> int:
               x(whole[r["replicas"]]["disk"], r["unique"]) if r["replicas"] in whole else "-",
               x(r["disk"], r["unique"]), f"{r['disk_nodes'][0] / 1e6:.2f} / {r['disk_nodes'][1] / 1e6:.2f}",
               x(r["memory"], r["unique"]), x(r["peer"], r["unique"])] for r in results]
-    print(f"HSDP, 4 ranks on 2 loopback nodes, dim {a.dim}, bytes of one step (step {a.steps - 1}) per place")
+    print(f"{a.mode.upper()}, 4 ranks on 2 loopback nodes, dim {a.dim}, bytes of one step (step {a.steps - 1}) per place")
     print(markdown_table(["R", "unique", "memory (all ranks)", "S3 before (whole shards)", "S3 now",
                           "S3 node 0 / node 1 MB", "disk, --disk-whole", "disk now", "disk node 0 / node 1 MB",
                           "peer copies before", "peer copies now"], table))

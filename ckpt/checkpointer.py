@@ -229,8 +229,9 @@ class Checkpointer:
     data-parallel replicas. The plain tensors under those keys are then
     written to disk and S3 by one rank of the group for all of them, and
     count as copies in memory. Every rank of a group must give the same
-    group and hold the same tensors there, bit for bit (as data-parallel
-    replicas do): the description is trusted as DTensor placements are.
+    group (a step whose ranks disagree is not committed, and the next save
+    says who) and hold the same tensors there, bit for bit, as
+    data-parallel replicas do: that is trusted, as DTensor placements are.
     Never describe per-rank tensors (RNG states, a data loader's position).
 
     Raises InvalidNameError for a bad job name, ValueError for a

@@ -128,6 +128,8 @@ def main() -> int:
     p.add_argument("--out", required=True)
     p.add_argument("--replicas", type=int, default=0, help="hsdp: replica groups (default: world / 2)")
     p.add_argument("--dim", type=int, default=16, help="the model's width")
+    p.add_argument("--describe-on", type=int, nargs="*",
+                   help="ddp: only these ranks describe the replication (a job that gives it on some ranks only)")
     a = p.parse_args()
     if os.environ.get("TIERCKPT_TEST_LOG"):  # a debugging run: each rank's log on stderr
         logging.basicConfig(level=os.environ["TIERCKPT_TEST_LOG"],
@@ -145,6 +147,8 @@ def main() -> int:
     report: dict = {"rank": rank}
     # DDP: every rank holds the same model and optimizer state (a process group, and a list of ranks)
     replicated = {"model": dist.group.WORLD, "optim": range(dist.get_world_size())} if a.mode == "ddp" else None
+    if a.describe_on is not None and rank not in a.describe_on:
+        replicated = None
     with ckpt.Checkpointer(a.job, shm=a.shm, disk=a.disk, s3=a.s3, s3_endpoint=a.s3_endpoint,
                            s3_every=1 if a.s3 else None, spawn=not a.no_spawn, replicated=replicated) as ck:
         if a.restore_only:

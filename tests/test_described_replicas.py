@@ -226,3 +226,41 @@ def test_pipeline_stages_described_are_written_once_to_disk_and_restore_from_it_
             _assert_same_state(torch.load(f"{dumped}.{rank}", weights_only=True),
                                torch.load(f"{tmp_path / 'saved'}.{stage * 2 + rank % replicas}", weights_only=True),
                                f"{replicas} replicas, rank {rank}")
+
+
+# ---------------------------------------------------------------- ranks that describe differently
+
+
+def test_ranks_naming_different_holder_groups_are_refused_with_who_disagrees():
+    from agents.stepbook import check_groups
+
+    check_groups({})
+    check_groups({0: ((0, 1),), 1: ((0, 1), (1, 3)), 3: ((1, 3),)})  # agree: nothing said
+    with pytest.raises(ValueError, match=r"rank 0 names the holders \[0, 1, 2, 3\], but rank 1 names none"):
+        check_groups({0: ((0, 1, 2, 3),), 2: ((0, 1, 2, 3),), 3: ((0, 1, 2, 3),)})
+    with pytest.raises(ValueError, match=r"rank 0 names the holders \[0, 1\], but rank 1 names \[\[1, 2\]\]"):
+        check_groups({0: ((0, 1),), 1: ((1, 2),), 2: ((1, 2),)})
+    # a DDP world of 2,048 ranks is checked in one pass over its rows, not pairwise
+    world = tuple(range(2048))
+    check_groups({r: (tuple(world),) for r in world})
+
+
+@pytest.mark.e2e
+def test_a_description_given_on_one_rank_only_commits_no_step_and_says_why(tmp_path):
+    """DDP on 2 ranks, rank 0 alone describing the model and optimizer as replicated: rank 0 would leave the
+    tensors it deals to rank 1 to rank 1, which writes its own copy of all of them anyway; rather than a step
+    whose slow tiers hold what the ranks did not agree on, no step commits and the job is told who disagrees."""
+    import subprocess
+    import sys
+
+    from procs import env
+
+    job = os.path.join(os.path.dirname(os.path.abspath(__file__)), "mesh_job.py")
+    shm = tmp_path / "shm"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", job,
+           "--mode", "ddp", "--job", "half", "--shm", str(shm), "--steps", "3", "--out", str(tmp_path / "o"),
+           "--describe-on", "0"]
+    p = subprocess.run(cmd, env=env(), capture_output=True, text=True, timeout=600)
+    assert p.returncode != 0
+    assert "ranks disagree on who holds copies" in p.stderr and "rank 1 names none" in p.stderr, p.stderr[-3000:]
+    assert not list(shm.glob("half/step-*/manifest*")), list(shm.rglob("*"))
