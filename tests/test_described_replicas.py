@@ -16,6 +16,8 @@ import types
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import ckpt
 from ckpt._flatten import flatten_state
@@ -85,7 +87,8 @@ def _state(rank: int) -> dict:
 
 
 def _names(layout, lo: int, hi: int) -> set[str]:
-    return {c.name for c in layout.chunks if lo <= c.offset < hi}
+    """The names of the chunks of some bytes laid out from ``lo`` to ``hi``."""
+    return {c.name for c in layout.chunks if lo <= c.offset < hi and c.nbytes}
 
 
 @pytest.mark.parametrize("world", [2, 3])
@@ -112,6 +115,44 @@ def test_each_described_tensor_is_in_exactly_one_holders_durable_part_and_owners
     every = {n for n in _names(plans[0].layout, 0, plans[0].total) if n != "rng"}
     assert set(durable) == every and all(len(v) == 1 for v in durable.values()), durable
     assert max(owned) - min(owned) <= 64 * 5 * 4
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.data())
+def test_any_grouping_of_ranks_writes_each_described_tensor_once_per_group_and_overlaps_nothing(data):
+    """Random worlds split into replica groups (singletons included), random tensor sizes and dtypes: in each
+    group every described tensor is in exactly one member's durable part, each member's unique part holds
+    only its own tensor, a rank alone keeps everything in its durable part, and no two chunks overlap."""
+    world = data.draw(st.integers(2, 6), label="world")
+    group_of = data.draw(st.lists(st.integers(0, 2), min_size=world, max_size=world), label="groups")
+    sizes = data.draw(st.lists(st.tuples(st.integers(0, 300), st.sampled_from([torch.float32, torch.int64,
+                                                                               torch.bfloat16])),
+                               min_size=1, max_size=8), label="tensors")
+    members = {g: [r for r in range(world) if group_of[r] == g] for g in set(group_of)}
+
+    def state(rank: int) -> dict:
+        return {"model": {f"t{i}": torch.full((n,), i, dtype=dt) for i, (n, dt) in enumerate(sizes)},
+                "own": torch.full((3,), float(rank))}
+
+    plans = {r: ShardPlanner(described({"model": members[group_of[r]]}, r, world)).plan(
+        flatten_state(state(r)), False) for r in range(world)}
+    described_names = {f"model/t{i}" for i, (n, _) in enumerate(sizes) if n}
+    for g, ranks in members.items():
+        writers: dict[str, list[int]] = {}
+        for r in ranks:
+            p = plans[r]
+            chunks = sorted((c for c in p.layout.chunks if c.nbytes), key=lambda c: c.offset)
+            assert all(a.offset + a.nbytes <= b.offset for a, b in zip(chunks, chunks[1:]))
+            assert chunks[-1].offset + chunks[-1].nbytes <= p.total
+            if len(ranks) == 1 or not described_names:
+                assert p.unique is None and p.durable == p.total
+                continue
+            assert p.unique[1] == [ranks]
+            assert _names(p.layout, 0, p.unique[0]) == {"own"}
+            for n in _names(p.layout, p.unique[0], p.durable):
+                writers.setdefault(n, []).append(r)
+        if len(ranks) > 1 and described_names:
+            assert set(writers) == described_names and all(len(w) == 1 for w in writers.values()), writers
 
 
 def test_without_a_description_plain_tensors_stay_each_ranks_own():
