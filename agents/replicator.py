@@ -54,6 +54,7 @@ from recovery.inventory import scan_tier
 from tiers import keys
 from tiers.checksum import checksum_file
 from tiers.errors import TierError
+from tiers.manifest import encode_group
 from tiers.memory import MemoryTier
 
 from .config import Settings
@@ -280,7 +281,7 @@ class Replicator:
             record["durable"] = [n, await dsum, ddigest]
         if rank in pend.uniques:
             n, groups, usum = pend.uniques[rank]
-            record["unique"] = [n, await usum, [list(g) for g in groups]]
+            record["unique"] = [n, await usum, [encode_group(g) for g in groups]]
         self.dis.submit([record])
         await asyncio.gather(*copies)
 

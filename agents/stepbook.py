@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from recovery import step_index
 from tiers import keys
 from tiers.errors import ManifestError
-from tiers.manifest import JsonEntry, Manifest, ManifestCache, ShardInfo
+from tiers.manifest import JsonEntry, Manifest, ManifestCache, ShardInfo, decode_group
 from tiers.wire import CHECKSUM_RE
 from tiers.memory import MemoryTier
 
@@ -140,14 +140,13 @@ def unique_part(n: object, groups: object, rank: int, world: int, nbytes: int, d
     if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= (nbytes if durable is None else durable):
         raise RequestError(f"unique bytes must be an int from 0 to the shard's durable part, got {str(n)[:40]}")
     if not isinstance(groups, list) or not groups or len(groups) > 4096:
-        raise RequestError("unique groups must be a list of 1 to 4096 lists of ranks")
+        raise RequestError("unique groups must be a list of 1 to 4096 groups of ranks")
     out = []
     for g in groups:
-        if not (isinstance(g, list) and 2 <= len(g) <= world and all(type(r) is int and 0 <= r < world for r in g)
-                and len(set(g)) == len(g) and rank in g):
-            raise RequestError(f"a unique group must be 2 or more distinct ranks of the world, rank {rank} among "
-                               f"them; got {str(g)[:80]}")
-        out.append(tuple(g))
+        try:
+            out.append(decode_group(g, rank, world))  # a DDP world's group: checked in constant time
+        except ValueError as e:
+            raise RequestError(f"unique: {e}") from None
     return n, tuple(out)
 
 
@@ -157,10 +156,15 @@ def check_groups(uniques: dict[int, tuple[tuple[int, ...], ...]]) -> None:
     copy of those chunks is written to the shared tiers by the one owner they all deal alike. Holders taken
     from DTensor placements always agree; a ``replicated=`` description given differently on two ranks (or on
     one rank only) does not, and would leave chunks that no rank writes. ValueError saying who disagrees."""
-    named: dict[tuple[int, ...], set[int]] = {}  # each group once (hashed, not compared pairwise): O(world x R)
+    # each group object once (rows decoded from one encoding share it), then each distinct group once by value:
+    # a DDP world's rows are one object, so this is linear in the world, not in its square
+    by_id: dict[int, tuple[tuple[int, ...], set[int]]] = {}
     for rank, groups in uniques.items():
         for g in groups:
-            named.setdefault(g, set()).add(rank)
+            by_id.setdefault(id(g), (g, set()))[1].add(rank)
+    named: dict[tuple[int, ...], set[int]] = {}
+    for g, ranks in by_id.values():
+        named.setdefault(g, set()).update(ranks)
     for g, ranks in named.items():
         if len(ranks) != len(g):  # every rank naming a group is in it (unique_part): some member names another
             q = min(set(g) - ranks)

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from tiers.layout import Layout
-from tiers.manifest import BYTES_DTYPE, SPILL_BYTES, VALUES_NAME, TensorChunk, encode_value
+from tiers.manifest import BYTES_DTYPE, SPILL_BYTES, VALUES_NAME, TensorChunk, encode_group, encode_value
 
 from ._flatten import Flat
 from ._replicas import OwnerBalance, Replicas, replicas_of
@@ -63,14 +63,15 @@ class ShardPlan:
     shard), the copies that fill it (``(source tensor, offset, bytes, may be copied in the background)``),
     its size, its durable part (the bytes before the chunks another rank writes to the shared tier) and its
     unique part (``(bytes before the first chunk another rank also holds, the holder groups of those
-    chunks)``, None when no other rank holds any: see ``ShardInfo.unique``)."""
+    chunks as the agent is sent them, :func:`tiers.manifest.encode_group`)``, None when no other rank holds
+    any: see ``ShardInfo.unique``)."""
 
     layout: Layout
     values: list[list]
     copies: list[tuple[torch.Tensor, int, int, bool]]
     total: int
     durable: int
-    unique: tuple[int, list[list[int]]] | None = None
+    unique: tuple[int, list[Any]] | None = None
 
 
 @dataclass
@@ -274,7 +275,7 @@ class ShardPlanner:
             layout = self._layout  # keeps its digest: computed once while the layout does not change
         self._sig, self._offsets, self._sizes, self._layout = sig, offsets, sizes, layout
         self._values_at, self._total, self._durable = values_at, off, durable
-        self._unique = (unique, [list(g) for g in groups]) if groups else None
+        self._unique = (unique, [encode_group(g) for g in groups]) if groups else None
 
 
 def _at(c: TensorChunk, off: int) -> TensorChunk:

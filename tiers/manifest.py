@@ -42,6 +42,7 @@ hostile manifest is refused rather than half-used.
 from __future__ import annotations
 
 import collections
+import functools
 import math
 import re
 import threading
@@ -68,6 +69,8 @@ __all__ = [
     "TensorChunk",
     "JsonEntry",
     "ShardInfo",
+    "encode_group",
+    "decode_group",
     "Manifest",
     "ManifestCache",
     "validate_layout",
@@ -320,7 +323,7 @@ class ShardInfo:
         if self.durable is not None:
             out["durable"] = list(self.durable)
         if self.unique is not None:
-            out["unique"] = [self.unique[0], self.unique[1], [list(g) for g in self.unique[2]]]
+            out["unique"] = [self.unique[0], self.unique[1], [encode_group(g) for g in self.unique[2]]]
         return out
 
 
@@ -569,16 +572,72 @@ def _durable(v: Any, size: int, where: str) -> tuple[int, str, str] | None:
     return n, checksum, layout
 
 
+#: a group of more ranks than this, evenly spaced, is written as ``{"first", "step", "count"}`` instead of a list
+_RANGE_FROM = 3
+
+
+def encode_group(g: tuple[int, ...]) -> list[int] | dict[str, int]:
+    """A holder group as a manifest (or a commit row) writes it: evenly spaced ranks in ascending order (a DDP
+    world, an HSDP replica group, a stage's data-parallel replicas) as ``{"first": a, "step": d, "count": k}``,
+    the same size at any world; any other group as its list of ranks. Every rank of a DDP job names the whole
+    world, so a list would make the manifest grow with the square of the world (80 MB at 4,096 ranks).
+    Remembered per group object, so the rows of one manifest that share one decoded group cost one look."""
+    got = _encoded.get(id(g))
+    if got is not None and got[0] is g:
+        return got[1]
+    n = len(g)
+    d = g[1] - g[0] if n >= 2 else 0
+    if n > _RANGE_FROM and d >= 1 and all(g[i + 1] - g[i] == d for i in range(n - 1)):
+        out: list[int] | dict[str, int] = {"first": g[0], "step": d, "count": n}
+    else:
+        out = list(g)
+    if n > _RANGE_FROM:
+        if len(_encoded) >= 256:
+            _encoded.clear()
+        _encoded[id(g)] = (g, out)
+    return out
+
+
+#: id(group) -> (the group, kept alive so the id is not reused while cached; its encoding)
+_encoded: dict[int, tuple[tuple[int, ...], Any]] = {}
+
+
+def decode_group(v: Any, rank: int, world: int) -> tuple[int, ...]:
+    """A holder group as :func:`encode_group` wrote it, checked: two or more distinct ranks of the world,
+    ``rank`` among them (ValueError saying what is wrong). An evenly spaced group is checked in constant time
+    and decoded once for every row naming it (the same tuple object), so a DDP world's manifest parses in time
+    and memory linear in the world."""
+    if isinstance(v, dict):
+        if set(v) != {"first", "step", "count"} or not all(type(x) is int for x in v.values()):
+            raise ValueError(f"a group must be a list of ranks or {{first, step, count}}; got {str(v)[:80]}")
+        a, d, k = v["first"], v["step"], v["count"]
+        if not (k >= 2 and d >= 1 and 0 <= a and a + d * (k - 1) < world):
+            raise ValueError(f"a group must be 2 or more distinct ranks of the world of {world}; got {str(v)[:80]}")
+        if not (a <= rank <= a + d * (k - 1) and (rank - a) % d == 0):
+            raise ValueError(f"a group must hold the rank it is given for ({rank}); got {str(v)[:80]}")
+        return _spaced(a, d, k)
+    if not (isinstance(v, list) and 2 <= len(v) <= world and all(type(r) is int and 0 <= r < world for r in v)
+            and len(set(v)) == len(v) and rank in v):
+        raise ValueError(f"a group must be 2 or more distinct ranks of the world, rank {rank} among them; got "
+                         f"{str(v)[:80]}")
+    return tuple(v)
+
+
+@functools.lru_cache(maxsize=256)
+def _spaced(first: int, step: int, count: int) -> tuple[int, ...]:
+    return tuple(range(first, first + step * count, step))
+
+
 def _unique(v: Any, rank: int, world: int, size: int, durable: tuple | None, where: str
             ) -> tuple[int, str, tuple[tuple[int, ...], ...]] | None:
     """A version-2 shard row's ``unique``: ``[bytes up to the shard's size (and within its durable part),
-    checksum, [[global rank, ...], ...]]``, each group two or more distinct ranks of the world, this one among
-    them."""
+    checksum, [group, ...]]``, each group two or more distinct ranks of the world, this one among them, as
+    :func:`encode_group` writes it (a list of global ranks, or ``{first, step, count}``)."""
     if v is None:
         return None
     if not (isinstance(v, list) and len(v) == 3 and type(v[0]) is int and isinstance(v[1], str)
             and isinstance(v[2], list) and v[2]):
-        raise ManifestError(f"malformed manifest: {where}.unique must be [bytes, checksum, [[rank, ...], ...]]")
+        raise ManifestError(f"malformed manifest: {where}.unique must be [bytes, checksum, [group, ...]]")
     n, checksum, groups = v
     if not 0 <= n <= size or (durable is not None and n > durable[0]):
         raise ManifestError(f"malformed manifest: {where}.unique holds {n} of the shard's {size} bytes: damaged")
@@ -586,11 +645,10 @@ def _unique(v: Any, rank: int, world: int, size: int, durable: tuple | None, whe
         raise ManifestError(f"malformed manifest: {where}.unique checksum {checksum[:40]!r} is not xxh3_64:<16 hex>")
     out = []
     for g in groups:
-        if not (isinstance(g, list) and len(g) >= 2 and all(type(r) is int and 0 <= r < world for r in g)
-                and len(set(g)) == len(g) and rank in g):
-            raise ManifestError(f"malformed manifest: {where}.unique: a group must be 2 or more distinct ranks of "
-                                f"the world, this rank among them; got {str(g)[:80]}")
-        out.append(tuple(g))
+        try:
+            out.append(decode_group(g, rank, world))
+        except ValueError as e:
+            raise ManifestError(f"malformed manifest: {where}.unique: {e}") from None
     return n, checksum, tuple(out)
 
 
