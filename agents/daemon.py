@@ -380,8 +380,10 @@ class Agent:
                     self._lease_conn.pop(slot, None)
                     raise
                 self._fill_ahead(job, rank, nbytes)
+                # a lease taken ahead in a trainer's background thread asks for no errors (``errors`` False):
+                # handed to it, they could reach the trainer after its wait() had answered that there were none
                 return {"slot": slot, "ring": self._ready_slots(job, rank, nbytes),
-                        "errors": self.book.take_errors(job)}
+                        "errors": self.book.take_errors(job) if req.get("errors", True) else []}
             await self.drain.trim(self.memory, job, layouts=False)
             remaining = deadline - time.monotonic()
             if remaining <= 0:
@@ -392,7 +394,7 @@ class Agent:
                        f"; save skipped (raise keep_memory or drain faster)")
                 if wait:
                     log.warning(why)
-                return {"skip": why, "errors": self.book.take_errors(job)}
+                return {"skip": why, "errors": self.book.take_errors(job) if req.get("errors", True) else []}
             async with self._slot_cond:
                 with contextlib.suppress(asyncio.TimeoutError):
                     await asyncio.wait_for(self._slot_cond.wait(), timeout=min(remaining, 1.0))

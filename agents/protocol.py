@@ -10,7 +10,8 @@ staging leases when its connection closes)::
     ← {"ok": true, "slot": "/dev/shm/.../slot-0", "ring": [...]}        or {"ok": true, "skip": "why"}
       (``ring``: the rank's slots already sized to N and faulted in, for the trainer to map ahead)
       (with "wait": false the agent answers at once, skipping, when no slot is free; with "fault": false it
-      only sizes the slot, checking there is room, and the trainer faults it in while it copies)
+      only sizes the slot, checking there is room, and the trainer faults it in while it copies; the answer
+      carries J's background errors, each once, unless "errors": false (a lease taken ahead in the background))
     → {"op": "commit", "job": J, "step": S, "rank": R, "world": W, "slot": P,
        "nbytes": N, "entries": [...], "save_index": I, "metadata": {...}, "every_tier": false}
       (``every_tier``: a forced save, written to every lower tier whatever its save_index)

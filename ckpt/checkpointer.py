@@ -705,7 +705,10 @@ class Checkpointer:
             # a connection of its own: waiting here for a slot to free up never holds up a commit
             if self._lease_client is None:
                 self._lease_client = AgentClient(self.settings.socket_path)
-            r = self._lease_client.call("begin", job=self.job, rank=self.rank, world=self.world, nbytes=nbytes)
+            # no background errors in this answer: collected on this thread, they could miss a wait() that
+            # the agent answered meanwhile (they go to the training thread's next request instead)
+            r = self._lease_client.call("begin", job=self.job, rank=self.rank, world=self.world, nbytes=nbytes,
+                                        errors=False)
         except (AgentError, AgentUnreachableError) as e:
             log.debug("could not lease the next slot ahead of time: %s", e)
             return

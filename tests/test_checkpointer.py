@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 
 import pytest
 import torch
@@ -11,6 +12,7 @@ import torch
 import ckpt
 from agents.config import Settings
 from agents.daemon import Agent
+from ckpt._flatten import flatten_state
 from tiers import TierFullError
 from tiers.disk import DiskTier
 
@@ -199,6 +201,18 @@ def test_background_failure_is_raised_once_at_next_save_and_memory_keeps_working
         ck = ckpt.Checkpointer("full", shm=settings.shm, spawn=False)
         state = {"w": torch.arange(10.0)}
         ck.save(0, state).wait_staged()
+        # the next slot, leased ahead on a background thread once the disk failed, leaves the error to the
+        # training thread: taken by that lease, it could miss the wait() below (it did, 1 CI run in a few)
+        deadline = time.monotonic() + 120
+        while not agent.book._errors.get("full") and time.monotonic() < deadline:
+            time.sleep(0.02)
+        ck._prelease_fut.result(120)
+        with ck._lock:
+            ahead, ck._next_slot = ck._next_slot, None
+        if ahead is not None:
+            ck._lease_client.call("release", slot=ahead[0])
+        ck._prelease(ck._planner.plan(flatten_state(state), False).total)
+        assert agent.book._errors.get("full") and not ck._errors
         with pytest.raises(ckpt.CheckpointError, match="no space left in disk tier"):
             ck.wait()
         ck.wait()  # raised once, not again
