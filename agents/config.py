@@ -112,12 +112,20 @@ class Settings:
     #: (the embedded one) keeps the job's memory tier; by default it frees it once a lower tier holds the
     #: newest step (it is kept, and the log says so, when memory is the only tier that holds it)
     keep_memory_after_close: bool = False
+    #: seconds an agent keeps the memory tier of a job that crashed (a trainer left without a clean end: an
+    #: exception, a kill, a lost peer), so its restart restores from memory; an embedded agent stays up that
+    #: long. When it runs out the newest step is written to disk first (where disk is set and lacks it), then
+    #: memory is freed as at a clean end. The default covers a torchrun restart and a Slurm requeue on a busy
+    #: queue; ``ckpt gc JOB`` frees it sooner
+    keep_after_crash: float = 3600.0
 
     def validate(self) -> "Settings":
         for name in ("disk_every", "s3_every", "keep_memory", "keep_disk", "keep_s3"):
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:
                 raise SettingsError(f"{name} must be an integer >= 1, got {v!r}")
+        if not isinstance(self.keep_after_crash, (int, float)) or self.keep_after_crash < 0:
+            raise SettingsError(f"keep_after_crash must be a number of seconds >= 0, got {self.keep_after_crash!r}")
         if self.full_policy not in ("wait", "skip"):
             raise SettingsError(f"full_policy must be 'wait' or 'skip', got {self.full_policy!r}")
         if self.s3 is not None and not self.s3.startswith("s3://"):

@@ -58,6 +58,8 @@ from tiers.errors import TierError
 
 from .config import Settings, SettingsError, private_socket_folder
 from .drain import ByteBudget, Drainer, delete_step
+from .jobends import JobEnds
+from .takeover import RUN_KEY, take_over
 from .layouts import LayoutBook
 from .protocol import MAX_LINE, PROTOCOL_VERSION, RequestError, peer_credentials, trusted_uid
 from .replicator import Replicator
@@ -86,6 +88,8 @@ class _Conn:
     jobs: set[str] = field(default_factory=set)
     #: jobs this trainer ended cleanly (the ``end`` op)
     ended: set[str] = field(default_factory=set)
+    #: the run of each job this trainer said hello for (None: a trainer that named no run)
+    runs: dict[str, str | None] = field(default_factory=dict)
 
 
 class Agent:
@@ -114,8 +118,8 @@ class Agent:
         #: ``(job, rank)`` doing it
         self._filling: set[str] = set()
         self._fillers: dict[tuple[str, int], asyncio.Task] = {}
-        #: pids of the trainers that ended each job cleanly
-        self._ended: dict[str, set[int]] = {}
+        #: runs, clean ends and crashes of each job (what a crashed job keeps, and until when)
+        self.ends = JobEnds(settings.keep_after_crash, self._kept_ran_out)
         self._slot_cond: asyncio.Condition | None = None
         self._conns: set[_Conn] = set()
         self._last_activity = time.monotonic()
@@ -198,6 +202,7 @@ class Agent:
         abandoned = {f"{j}/step-{s}": sorted(t) for (j, s), t in self.book.draining.items() if t}
         for task in self._fillers.values():
             task.cancel()
+        self.ends.close()
         self.drain.stop()
         if self.replicator is not None:
             self.warm.stop()
@@ -219,7 +224,8 @@ class Agent:
     async def _idle_watch(self) -> None:
         while True:
             await asyncio.sleep(0.5)
-            busy = self._conns or self.drain.busy()
+            # a crashed job's memory is kept for its restart: the agent it connects to stays up meanwhile
+            busy = self._conns or self.drain.busy() or self.ends.keeping()
             if busy:
                 self._last_activity = time.monotonic()
             elif time.monotonic() - self._last_activity > self.idle_exit:
@@ -323,6 +329,10 @@ class Agent:
                 await self._slots_freed()
             with contextlib.suppress(Exception):
                 writer.close()
+            if self._stop is not None and not self._stop.is_set():
+                # the agent stopping cancels this task: a crash is not learnt then (the memory stays anyway)
+                with contextlib.suppress(Exception, asyncio.CancelledError):
+                    await self._gone(conn)
 
     def _refuse_local(self, who: str) -> None:
         """Count a refused connection and log it, at most once per ``_REFUSAL_LOG_EVERY`` seconds."""
@@ -351,7 +361,13 @@ class Agent:
 
     async def _op_hello(self, conn: _Conn, req: dict) -> dict:
         if req.get("job") is not None:  # a trainer of this job, from its first request on
-            conn.jobs.add(keys.check_job(req["job"]))
+            job = keys.check_job(req["job"])
+            run = req.get("run")
+            if run is not None and (not isinstance(run, str) or not run or len(run) > 200):
+                raise RequestError("run must be a non-empty string of at most 200 characters")
+            self.ends.hello(job, run, conn.pid, [(c.pid, c.runs) for c in self._conns if c is not conn])
+            conn.jobs.add(job)
+            conn.runs[job] = run
         return {"version": PROTOCOL_VERSION, "pid": os.getpid(), "embedded": self.embedded,
                 "settings": self.settings.to_dict()}
 
@@ -497,6 +513,8 @@ class Agent:
         meta = dict(req.get("metadata") or {})
         if req.get("every_tier"):
             meta["every_tier"] = True  # a forced save: every lower tier, whatever disk_every and s3_every say
+        if isinstance(req.get("run"), str):
+            meta[RUN_KEY] = req["run"]  # which run wrote the step: a new run takes over other runs' steps
         durable = req.get("durable")
         part = None if durable is None else await self.layouts.durable(job, rank, layout, durable)
         unique = req.get("unique")
@@ -586,6 +604,8 @@ class Agent:
         step = req["step"]
         if not isinstance(step, int) or isinstance(step, bool) or step < -1:
             raise RequestError(f"step must be an integer >= -1, got {step!r}")
+        if isinstance(req.get("run"), str):
+            self.ends.resumed(job, req["run"])  # the run restored: its saves supersede the later steps
         async with self.book.lock(job):
             inv = await asyncio.to_thread(scan_tier, self.memory, job, with_sizes=False)
             later = {s for s in inv.job(job) if s > step}
@@ -644,6 +664,10 @@ class Agent:
         if (req.get("if_alone") or req.get("if_idle")) and others:
             log.info("not stopping: %d other trainer connection(s) still use this agent", len(others))
             return {"stopping": False}
+        if req.get("if_alone") and self.ends.kept:
+            log.info("not stopping: the memory of crashed job(s) %s is kept for their restart",
+                     ", ".join(sorted(self.ends.kept)))
+            return {"stopping": False}
         if req.get("if_idle") and (self.drain.busy() or self.book.pending):
             log.info("not stopping: steps are still being committed or written")
             return {"stopping": False}
@@ -651,23 +675,104 @@ class Agent:
         return {"stopping": True}
 
     async def _op_end(self, conn: _Conn, req: dict) -> dict:
-        """A trainer of ``job`` closed cleanly. Once every trainer of the job connected here ended it, an
-        embedded agent (one started for its job) frees the job's memory tier, unless ``keep_memory_after_close``
-        is set or no lower tier holds the job's newest step (then it says so in its log and keeps it). Answers
-        what it freed: ``{"released": bool, "bytes": N, "why": "..."}``."""
+        """A trainer of ``job`` closed cleanly, every rank of the job having agreed that it ended (``agreed``,
+        default true: a single-rank job). Once every trainer of the job connected here ended it, an embedded
+        agent (one started for its job) frees the job's memory tier, unless ``keep_memory_after_close`` is set
+        or no lower tier holds the job's newest step (then it says so in its log and keeps it). Answers what
+        it freed: ``{"released": bool, "bytes": N, "why": "..."}``."""
         job = keys.check_job(req["job"])
         conn.ended.add(job)
-        self._ended.setdefault(job, set()).add(conn.pid)
-        ended = self._ended[job]
-        if any(job in c.jobs and c.pid not in ended for c in self._conns):
+        self.ends.ended(job, conn.pid, agreed=bool(req.get("agreed", True)))
+        if not self.ends.all_ended(job, [c.pid for c in self._conns if job in c.jobs]):
             return {"released": False, "bytes": 0, "why": "other trainers of the job are still running"}
-        del self._ended[job]
         if not self.embedded:
             return {"released": False, "bytes": 0, "why": "a node agent keeps what it holds (ckpt gc frees it)"}
         if self.settings.keep_memory_after_close:
             log.info("%s ended: its memory tier is kept (keep_memory_after_close)", job)
             return {"released": False, "bytes": 0, "why": "keep_memory_after_close is set"}
         return await self._release_job(job)
+
+    async def _op_crashed(self, conn: _Conn, req: dict) -> dict:
+        """A trainer of ``job`` is leaving without a clean end (``why``: an exception, the ranks could not
+        agree): keep the job's memory tier for its restart. Answers what is kept and for how long:
+        ``{"steps": [...], "bytes": N, "seconds": S or null (until ckpt gc), "embedded": bool}``."""
+        job = keys.check_job(req["job"])
+        why = str(req.get("why") or "a trainer left without a clean end")[:300]
+        return await self._keep_crashed(job, f"pid {conn.pid}: {why}")
+
+    async def _op_takeover(self, conn: _Conn, req: dict) -> dict:
+        """A run of ``job`` (``run``) that did not restore saves ``step`` first: drop the steps of other runs
+        from ``step`` on, from memory and disk here and, with ``shared`` (rank 0's agent), from S3. Done once
+        per run and agent (later ranks' calls answer at once); answers ``{"dropped": {tier: [steps]}}``."""
+        job = keys.check_job(req["job"])
+        step = keys.check_step(req["step"])
+        run = req.get("run")
+        if not isinstance(run, str) or not run:
+            raise RequestError("takeover needs the run's id (run)")
+        local = not self.ends.settled(job, run, "local")
+        shared = bool(req.get("shared")) and not self.ends.settled(job, run, "shared")
+        lower = [t for t in self.lower if (t is self.s3 and shared) or (t is not self.s3 and local)]
+        if not local and not lower:
+            return {"dropped": {}}
+        dropped = await take_over(job, step, run, memory=self.memory, book=self.book, lower=lower,
+                                  grace=self.settings.grace, copies=self.replicator.copies if self.replicator else None)
+        if not local:
+            dropped.pop(self.memory.name, None)
+        if dropped:
+            await self._slots_freed()
+        return {"dropped": dropped}
+
+    async def _gone(self, conn: _Conn) -> None:
+        """A trainer's connection closed: a job it neither ended cleanly nor left by another connection
+        still open crashed (a kill, an exit without close)."""
+        for job in conn.jobs:
+            if self.ends.ended_by(job, conn.pid) or job in self.ends.kept:
+                continue
+            if any(c.pid == conn.pid and job in c.jobs for c in self._conns):
+                continue  # the trainer's other connection is open still: it ends or crashes there
+            await self._keep_crashed(job, f"trainer pid {conn.pid} left without a clean end")
+
+    async def _keep_crashed(self, job: str, why: str) -> dict:
+        """Keep ``job``'s memory tier after a crash (see :mod:`agents.jobends`); answer what is kept."""
+        inv = await asyncio.to_thread(scan_tier, self.memory, job)
+        steps = sorted(s for s, st in inv.job(job).items() if st.committed)
+        nbytes = sum(st.nbytes for s, st in inv.job(job).items() if s in steps)
+        out = {"steps": steps, "bytes": nbytes, "seconds": None, "embedded": self.embedded}
+        if not steps:
+            return out
+        if not self.embedded or self.settings.keep_memory_after_close:
+            log.info("%s crashed (%s): steps %s stay in memory (this agent frees nothing at a job's end; "
+                     "`ckpt gc %s` removes them)", job, why, steps, job)
+            return out
+        k = self.ends.keep(job, why)
+        out["seconds"] = self.ends.keep_s
+        log.warning("%s crashed (%s): keeping steps %s (%d bytes) in memory for %.0f s, for its restart "
+                    "(`ckpt gc %s --all --force` frees them)", job, why, steps, nbytes, k.until - time.time(), job)
+        return out
+
+    async def _kept_ran_out(self, job: str) -> None:
+        """The time a crashed job's memory was kept ran out with no new run: write its newest step to disk if
+        disk lacks it, then free memory as at a clean end."""
+        if any(job in c.jobs for c in self._conns):
+            return
+        if self.disk is not None:
+            inv = await asyncio.to_thread(scan_tier, self.memory, job)
+            committed = sorted(s for s, st in inv.job(job).items() if st.complete or st.node_complete(self.me))
+            if committed:
+                newest = committed[-1]
+                low = await asyncio.to_thread(scan_tier, self.disk, job)
+                have = low.job(job).get(newest)
+                if low.error is None and (have is None or not have.node_complete(self.me)) \
+                        and (job, newest) not in self.book.draining:
+                    log.info("%s: writing its newest step %d to disk before its memory is freed", job, newest)
+                    done = asyncio.Event()
+                    self.book.settled[(job, newest)] = done
+                    self.drain.enqueue(self.disk, job, newest)
+                    with contextlib.suppress(asyncio.TimeoutError):
+                        await asyncio.wait_for(done.wait(), max(self.settings.grace, 600.0))
+        if any(job in c.jobs for c in self._conns):
+            return  # a new run connected meanwhile: it is the run's memory now
+        await self._release_job(job)
 
     async def _release_job(self, job: str) -> dict:
         """Free ``job``'s memory tier (steps, layouts, index, free slots) when a lower tier holds its newest

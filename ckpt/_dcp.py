@@ -689,7 +689,7 @@ class DcpReader(StorageReader):
         plan = self._plan(invs, agreed, costs, far)
         if self.rewind:
             try:
-                ck._client.call("rewind", job=self.job, step=agreed)
+                ck._client.call("rewind", job=self.job, step=agreed, run=ck._run)
             except AgentError as e:
                 log.warning("the agent could not drop steps after %d: %s", agreed, e)
         self._inner = PlanReader(plan, verify=self.verify, values=True)

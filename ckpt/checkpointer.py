@@ -44,6 +44,9 @@ import errno
 import logging
 import mmap
 import os
+import secrets
+import socket
+import sys
 import threading
 import time
 import warnings
@@ -102,6 +105,26 @@ def _min_over_ranks(value: int) -> int:
     t = torch.tensor([value], dtype=torch.int64)
     dist.all_reduce(t, op=dist.ReduceOp.MIN)
     return int(t.item())
+
+
+#: this process's run id per ``(rank, world)`` (see :func:`_run_id`)
+_RUNS: dict[tuple[int, int], str] = {}
+
+
+def _run_id(rank: int, world: int) -> str:
+    """The id of the run this process is part of: rank 0's host, pid and a random part, the same on every rank
+    (a collective, once per process and world: every rank makes its first Checkpointer at the same point).
+
+    The agents tell runs of a job apart by it: a run that did not restore takes over other runs' steps, and two
+    live runs of one job on one node are refused. A restarted process (torchrun's restart, a requeue) is a new
+    run; every Checkpointer of one process (a DCP reader's and writer's) is the same run."""
+    key = (rank, world)
+    if key not in _RUNS:
+        token = secrets.randbits(62)
+        if world > 1:
+            token = _min_over_ranks(token if rank == 0 else (1 << 62))
+        _RUNS[key] = f"{socket.gethostname()}-{token:016x}"
+    return _RUNS[key]
 
 
 def _warn_restart_store(rank: int) -> None:
@@ -256,6 +279,7 @@ class Checkpointer:
         keep_disk: int | None = None,
         keep_s3: int | None = None,
         keep_memory_after_close: bool | None = None,
+        keep_after_crash: float | None = None,
         metadata: dict | None = None,
         spawn: bool = True,
         config: str | None = None,
@@ -273,7 +297,7 @@ class Checkpointer:
         self.overlap = overlap
         args = dict(shm=shm, disk=disk, s3=s3, s3_endpoint=s3_endpoint, socket=agent, disk_every=disk_every,
                     s3_every=s3_every, keep_memory=keep_memory, keep_disk=keep_disk, keep_s3=keep_s3,
-                    keep_memory_after_close=keep_memory_after_close)
+                    keep_memory_after_close=keep_memory_after_close, keep_after_crash=keep_after_crash)
         given = given_settings(args, config_file=config)
         self.settings = Settings.load(args, config_file=config)
         if dist.is_available() and dist.is_initialized():
@@ -283,6 +307,9 @@ class Checkpointer:
         holders = described(replicated, self.rank, self.world)  # a bad description fails before an agent starts
         self._replicated = tuple(replicated or ())
         _warn_restart_store(self.rank)
+        self._run = _run_id(self.rank, self.world)
+        #: whether this run's first save here went through the takeover (see :meth:`_take_over`)
+        self._took_over = False
         self._client, self._started_agent, self.settings = self._connect(given, spawn, idle_exit)
         self._check_nodes()
         self._pool = cf.ThreadPoolExecutor(1, thread_name_prefix="tierckpt-stage")
@@ -332,7 +359,7 @@ class Checkpointer:
             # an agent that is shutting down may accept and then drop us: try again, then start a new one
             client, started = connect_or_spawn(self.settings, spawn=spawn, idle_exit=idle_exit)
             try:
-                hello = client.call("hello", job=self.job)
+                hello = client.call("hello", job=self.job, run=self._run)
             except AgentUnreachableError:
                 client.close()
                 if attempt == 4:
@@ -815,7 +842,10 @@ class Checkpointer:
     def _commit(self, *, layout: Layout, **kw: Any) -> dict:
         """Tell the agent the shard is staged. The layout's entries go only when the agent has not had them:
         it stores each layout once and every later commit names it by digest."""
+        if not self._took_over:
+            self._take_over(kw["step"])
         send = layout.digest != self._layout_sent
+        kw.setdefault("run", self._run)
         for attempt in range(2):
             try:
                 r = self._client.call("commit", job=self.job, rank=self.rank, world=self.world,
@@ -827,6 +857,25 @@ class Checkpointer:
                     raise
                 send = True  # the agent restarted, or dropped it: send the entries again
         raise AssertionError("unreachable")
+
+    def _take_over(self, step: int) -> None:
+        """Before this run's first commit: a run that did not restore (a fresh start on purpose) takes the
+        job's step numbers over from ``step`` on. The agents drop the steps of other runs from there (this
+        node's memory and disk; rank 0's agent S3 too), which would otherwise be refused as already committed
+        and could be restored in place of this run's. A run that restored already dropped them (rewind):
+        the agent answers at once."""
+        self._took_over = True
+        try:
+            r = self._client.call("takeover", job=self.job, step=step, run=self._run, shared=self.rank == 0)
+        except AgentError as e:
+            if e.kind == "RequestError" and "unknown op" in str(e):
+                return  # an agent of an earlier version
+            raise
+        dropped = r.get("dropped") or {}
+        if dropped:
+            log.warning("job %r starts again without restoring: its first save is step %d, so the earlier run's "
+                        "steps from there on are dropped (%s); restore() before the first save resumes instead",
+                        self.job, step, "; ".join(f"{steps} from {tier}" for tier, steps in sorted(dropped.items())))
 
     # ------------------------------------------------------------------ wait / close
     def _agent_wait(self, step: int | None, timeout: float | None) -> None:
@@ -849,15 +898,42 @@ class Checkpointer:
     def close(self) -> None:
         """Wait for outstanding saves, raise their errors once, release hooks and the agent.
 
-        A clean close (every save written, no error) also tells the agent this rank ended the job: an agent
-        started for the job frees the job's memory tier once every rank on the node ended it, if a lower tier
-        holds the newest step (see ``keep_memory_after_close``)."""
+        A clean close (no exception being handled, every save written, and with several ranks every rank
+        agreeing so, an all-reduce) tells the agent the job ended: an agent started for the job frees the
+        job's memory tier once every rank on the node ended it, if a lower tier holds the newest step (see
+        ``keep_memory_after_close``). Anything else is a crash: called while an exception is being handled
+        (``with`` left by one, a framework's ``except`` calling close), a save that failed, a rank that could
+        not agree. Then the agent keeps the job's memory tier for ``keep_after_crash`` s, so the restart
+        restores from memory, and says so in one log line."""
+        self._close(sys.exc_info()[1])
+
+    def _close(self, exc: BaseException | None) -> None:
         if self._closed:
             return
         self._closed = True
+        crash: str | None = None
+        if isinstance(exc, SystemExit) and exc.code in (0, None):
+            exc = None  # sys.exit(0): the program ends on purpose
         try:
-            self.wait()
-            self._end()
+            if exc is not None:
+                crash = f"{type(exc).__name__}: {exc}"[:200]
+                self._settle_staging()
+                self._crashed(crash)
+                return
+            err: BaseException | None = None
+            try:
+                self.wait()
+            except BaseException as e:  # raised below, once the ranks know
+                err = e
+                crash = f"a save failed ({type(e).__name__})"
+            if self.world > 1:
+                crash = self._agree_end(crash)
+            if crash is None:
+                self._end()
+            else:
+                self._crashed(crash)
+            if err is not None:
+                raise err
         finally:
             if self._hook is not None:
                 self._hook.remove()
@@ -868,9 +944,10 @@ class Checkpointer:
             self._leaser.shutdown(wait=True)
             if self._lease_client is not None:
                 self._lease_client.close()
-            if self._started_agent and self.world == 1:
+            if self._started_agent and self.world == 1 and crash is None:
                 try:
-                    # another job may have connected to the agent this one started: it keeps it running
+                    # another job may have connected to the agent this one started, or it keeps a crashed
+                    # job's memory: then it keeps running
                     if self._client.call("shutdown", if_alone=True).get("stopping", True):
                         # the agent answers before it stops: wait until it is gone so a new one can start cleanly
                         wait_stopped(self.settings, self.settings.grace + 5)
@@ -881,10 +958,27 @@ class Checkpointer:
                 self._unmap(mm, buf)
             self._maps.clear()
 
-    def _end(self) -> None:
-        """Tell the agent this rank ended the job cleanly (see :meth:`close`); log what it freed."""
-        # a slot leased ahead goes back first, so the agent can free it with the job's other slots (it counts
-        # this rank's connections, the lease connection too, as ended by process)
+    def _settle_staging(self, timeout: float = 60.0) -> None:
+        """Leaving by an exception: let a save being copied out finish (its step may be the newest the
+        restart gets), without waiting for the agent, whose step may never complete (a dead rank)."""
+        f = self._inflight
+        if f is not None:
+            with contextlib.suppress(BaseException):
+                f.wait_staged(timeout)
+
+    def _agree_end(self, crash: str | None) -> str | None:
+        """With several ranks: whether every rank ended cleanly (an all-reduce). Answers why not, or None."""
+        if not (dist.is_available() and dist.is_initialized()):
+            return crash or ("the process group was destroyed before close(), so the ranks could not agree "
+                             "that the job ended (close the Checkpointer first)")
+        try:
+            every = _min_over_ranks(int(crash is None))
+        except Exception as e:  # a dead peer: the job crashed
+            return crash or f"the ranks could not agree that the job ended ({type(e).__name__}: {e})"[:200]
+        return crash or (None if every else "another rank did not end cleanly")
+
+    def _return_lease(self) -> None:
+        """Give back a slot leased ahead, so the agent can free it with the job's other slots."""
         pending = self._prelease_fut
         if pending is not None:
             with contextlib.suppress(Exception):
@@ -892,10 +986,16 @@ class Checkpointer:
             self._prelease_fut = None
         with self._lock:
             nxt, self._next_slot = self._next_slot, None
-        try:
-            if nxt is not None:
+        if nxt is not None:
+            with contextlib.suppress(AgentError, AgentUnreachableError):
                 self._client.call("release", slot=nxt[0])
-            r = self._client.call("end", job=self.job, rank=self.rank)
+
+    def _end(self) -> None:
+        """Tell the agent this rank ended the job cleanly (see :meth:`close`); log what it freed."""
+        # it counts this rank's connections, the lease connection too, as ended by process
+        self._return_lease()
+        try:
+            r = self._client.call("end", job=self.job, rank=self.rank, agreed=True)
         except (AgentError, AgentUnreachableError) as e:  # an agent of an earlier version: nothing is freed
             log.debug("the agent did not take the end of the job: %s", e)
             return
@@ -904,15 +1004,40 @@ class Checkpointer:
         elif r.get("why"):
             log.info("%s's memory tier stays: %s", self.job, r["why"])
 
+    def _crashed(self, why: str) -> None:
+        """Tell the agent this rank leaves without a clean end (``why``): it keeps the job's memory tier for the
+        restart. One log line (from each node's first rank) says what is kept and for how long."""
+        self._return_lease()
+        try:
+            r = self._client.call("crashed", job=self.job, why=why)
+        except (AgentError, AgentUnreachableError) as e:
+            log.warning("job %r did not end cleanly (%s); the agent could not be told (%s): what it holds in "
+                        "memory is kept until `ckpt gc %s` removes it", self.job, why, e, self.job)
+            return
+        if os.environ.get("LOCAL_RANK", "0") != "0":
+            return
+        steps = r.get("steps") or []
+        if not steps:
+            log.info("job %r did not end cleanly (%s); nothing of it is in memory", self.job, why)
+            return
+        span = (f"step {steps[0]}" if len(steps) == 1 else f"steps {', '.join(map(str, steps))}" if len(steps) <= 6
+                else f"{len(steps)} steps, {steps[0]} to {steps[-1]}")
+        secs = r.get("seconds")
+        until = (f"for {secs:.0f} s (keep_after_crash), so a restart restores from memory; "
+                 f"`ckpt gc {self.job} --all --force` frees it sooner" if secs is not None
+                 else f"until `ckpt gc {self.job}` removes it (the node agent frees nothing at a job's end)")
+        log.warning("job %r did not end cleanly (%s): the agent on %s keeps %s (%.1f MiB) in memory %s",
+                    self.job, why, self.settings.shm, span, r.get("bytes", 0) / 2**20, until)
+
     def __enter__(self) -> "Checkpointer":
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
         if exc_type is None:
-            self.close()
+            self._close(None)
             return
         try:
-            self.close()
+            self._close(exc if exc is not None else exc_type())
         except Exception as e:  # the training loop's own exception is the one to see
             log.error("while closing after %s: %s", exc_type.__name__, e)
 
@@ -1136,7 +1261,7 @@ class Checkpointer:
         # saves after this restore retake the step numbers after ``agreed``: the agent drops what the
         # failed run left of them, so they are not refused as already committed
         try:
-            self._client.call("rewind", job=self.job, step=agreed)
+            self._client.call("rewind", job=self.job, step=agreed, run=self._run)
         except AgentError as e:
             log.warning("the agent could not drop steps after %d: %s", agreed, e)
         costs, costs_file = node_costs(self.settings.shm, invs)

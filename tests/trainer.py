@@ -83,6 +83,12 @@ def main() -> int:
     p.add_argument("--no-spawn", action="store_true", help="use the running agent; never start one")
     p.add_argument("--keep-memory", action="store_true",
                    help="keep the job's memory tier when it ends cleanly (keep_memory_after_close)")
+    p.add_argument("--raise-at", type=int, default=-1,
+                   help="after this step is saved and written, raise inside the with block (first attempt only)")
+    p.add_argument("--peer-hangs", action="store_true",
+                   help="with --kill-at: the other ranks block after that step (torchrun's SIGTERM ends them)")
+    p.add_argument("--fresh", action="store_true", help="start from step 0 without restoring")
+    p.add_argument("--keep-after-crash", type=float, help="keep_after_crash (seconds)")
     p.add_argument("--out")
     p.add_argument("--dump", help="at the end, torch.save this rank's parameters and optimizer state here")
     p.add_argument("--gpt", action="store_true", help="train TinyGPT on token batches")
@@ -107,8 +113,9 @@ def main() -> int:
     state = {"model": model, "optim": optim, "progress": {"step": -1, "token": b""}, "hyper": hyper}
     with ckpt.Checkpointer(a.job, shm=a.shm, disk=a.disk, s3=a.s3, s3_endpoint=a.s3_endpoint, every=a.every,
                            disk_every=a.disk_every, s3_every=a.s3_every, spawn=not a.no_spawn,
-                           keep_memory_after_close=True if a.keep_memory else None) as ck:
-        last = ck.restore(state)
+                           keep_memory_after_close=True if a.keep_memory else None,
+                           keep_after_crash=a.keep_after_crash) as ck:
+        last = None if a.fresh else ck.restore(state)
         if last is not None:
             assert state["progress"]["step"] == last, (state["progress"], last)
             # a resharded restore gives each rank the bytes of the same rank, or of rank 0 when there are more ranks
@@ -133,6 +140,16 @@ def main() -> int:
             state["progress"]["step"] = step
             state["progress"]["token"] = f"{rank}:{step}".encode()
             fut = ck.save(step, state)
+            first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+            if step == a.raise_at and first_attempt:
+                fut.wait_staged()
+                ck.wait()
+                raise RuntimeError("CUDA out of memory (raised by the test)")
+            if step == a.kill_at and rank != a.kill_rank and a.peer_hangs and first_attempt:
+                ck.wait()
+                print(f"HANGING {step}", flush=True)
+                while True:  # until torchrun's SIGTERM, once the killed rank is seen gone
+                    time.sleep(0.2)
             if step == a.kill_at and rank == a.kill_rank and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
                 fut.wait_staged()
                 ck.wait()
