@@ -33,11 +33,16 @@ a method ran are reported, and a method that ran beside more than
 ``--max-other-load`` busy cores is measured again (``--retries``), keeping the
 quieter attempt. With tierckpt, a second table compares the agent's drain to
 disk with ``dd`` of the same bytes.
+
+The ``*_titan`` methods take torchtitan's own checkpoint components (tests/titan_state.py). torchtitan is
+not a dependency of the project: where it cannot be imported they are skipped with a one-line note, and
+every other method needs only the project's install and torch.
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import os
 import re
@@ -179,6 +184,7 @@ class Method:
     label = ""
     warmup = 1
     note = ""
+    needs_torchtitan = False
 
     def __init__(self, ts: TrainState, scratch: dict[str, str]) -> None:
         self.ts = ts
@@ -352,10 +358,25 @@ class DcpAsyncShm(_DcpBase):
         super().teardown()
 
 
+def titan_missing() -> str | None:
+    """Why torchtitan's checkpoint components cannot be imported here (the error's one line), or None if they can.
+
+    They are not among the project's dependencies: a plain ``pip install -e .`` runs every other method."""
+    try:
+        import torchtitan.components.checkpoint  # noqa: F401
+        import torchtitan.components.optimizer  # noqa: F401
+    except ImportError as e:
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
 class _Titan:
     """A method on torchtitan's state (tests/titan_state.py): the same model, its AdamW state inside
     torchtitan's OptimizersContainer, the containers and a data loader as ``Stateful`` objects. While the
-    method runs, the training step steps the container."""
+    method runs, the training step steps the container. Needs torchtitan (not a dependency of the project):
+    ``main`` skips these methods when it is not importable."""
+
+    needs_torchtitan = True
 
     def titan_setup(self) -> None:
         sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
@@ -672,7 +693,10 @@ def drain_table(nbytes: int, scratch: dict, runs: int, ts: TrainState) -> dict:
     src = os.path.join(scratch["shm"], "dd-src.bin")
     tensors = ts.tensors()
     with open(src, "wb") as f:
-        f.writelines(memoryview(t.detach().contiguous().reshape(-1).view(torch.uint8).numpy()) for t in tensors)
+        for t in tensors:
+            t = t.detach().contiguous()
+            # the tensor's bytes through ctypes, not .numpy(): numpy is not among the project's dependencies
+            f.write((ctypes.c_char * (t.numel() * t.element_size())).from_address(t.data_ptr()))
     out: dict = {"bytes": nbytes}
     for name, direct in (("dd_direct", True), ("dd_buffered", False)):
         times = []
@@ -721,6 +745,11 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"unknown method(s) {sorted(unknown)}")
     chosen.add("bound")
     classes = [c for c in METHODS if c.key in chosen]
+    titan = [c.key for c in classes if c.needs_torchtitan]
+    missing = titan_missing() if titan else None
+    if missing:
+        print(f"skipping {', '.join(titan)}: torchtitan is not importable ({missing})", flush=True)
+        classes = [c for c in classes if not c.needs_torchtitan]
 
     scratch = {"shm": tempfile.mkdtemp(prefix="bench-save-", dir="/dev/shm"),
                "disk": tempfile.mkdtemp(prefix="bench-save-", dir="/tmp")}
