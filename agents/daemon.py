@@ -735,7 +735,8 @@ class Agent:
     async def _keep_crashed(self, job: str, why: str) -> dict:
         """Keep ``job``'s memory tier after a crash (see :mod:`agents.jobends`); answer what is kept."""
         inv = await asyncio.to_thread(scan_tier, self.memory, job)
-        steps = sorted(s for s, st in inv.job(job).items() if st.committed)
+        # the newest keep_memory committed steps: an older one still being written down goes once it is
+        steps = sorted(s for s, st in inv.job(job).items() if st.committed)[-self.settings.keep_memory:]
         nbytes = sum(st.nbytes for s, st in inv.job(job).items() if s in steps)
         out = {"steps": steps, "bytes": nbytes, "seconds": None, "embedded": self.embedded}
         if not steps:
