@@ -4,7 +4,7 @@ One request per line, one response per line, in order, on a connection that
 stays open for the trainer's lifetime (the agent releases a dead trainer's
 staging leases when its connection closes)::
 
-    → {"op": "hello", "job": J}                        (``job``: optional, a trainer of J)
+    → {"op": "hello", "job": J, "run": U}              (``job``: optional, a trainer of J; ``run``: its run's id)
     ← {"ok": true, "version": 1, "settings": {...}, "pid": 123, "embedded": false}
     → {"op": "begin", "job": J, "rank": R, "world": W, "nbytes": N, "wait": true}
     ← {"ok": true, "slot": "/dev/shm/.../slot-0", "ring": [...]}        or {"ok": true, "skip": "why"}
@@ -13,20 +13,26 @@ staging leases when its connection closes)::
       only sizes the slot, checking there is room, and the trainer faults it in while it copies; the answer
       carries J's background errors, each once, unless "errors": false (a lease taken ahead in the background))
     → {"op": "commit", "job": J, "step": S, "rank": R, "world": W, "slot": P,
-       "nbytes": N, "entries": [...], "save_index": I, "metadata": {...}, "every_tier": false}
-      (``every_tier``: a forced save, written to every lower tier whatever its save_index)
+       "nbytes": N, "entries": [...], "save_index": I, "metadata": {...}, "every_tier": false, "run": U}
+      (``every_tier``: a forced save, written to every lower tier whatever its save_index; ``run``: the
+      run that wrote the step, kept in its manifest's metadata)
     ← {"ok": true, "errors": [...]}                      background errors of J, each once
     → {"op": "wait", "job": J, "step": S|null, "timeout": T}
     ← {"ok": true, "done": true, "errors": [...]}
 
 Also: ``release`` (give a lease back), ``errors``, ``list``, ``status``,
 ``delete``, ``shutdown`` (``if_alone``: only if no other trainer is connected; ``if_idle``: nor anything
-being written), ``end`` (``job``: this trainer closed cleanly; the last one frees an embedded agent's
-memory tier of the job, see ``keep_memory_after_close``); ``prefetch`` (the warm restore's report, waiting
-up to ``timeout`` s for it) and ``rewind`` (``job``, ``step``: the job
-resumed from ``step``, so later steps in memory are dropped), both called by
-a restore, and ``lower`` (``job``: the newest step of it that any tier could
-hold, as far as the agent knows, so a restore from memory can skip S3).
+being written, nor a crashed job's memory kept), ``end`` (``job``, ``rank``, ``agreed``: this trainer's
+ranks agreed the job ended cleanly; once every rank on the node ended it, an embedded agent frees the job's
+memory tier, see ``keep_memory_after_close``), ``crashed`` (``job``, ``why``: this trainer leaves without a
+clean end; the agent keeps the job's memory tier for ``keep_after_crash`` s, answering
+``{"steps": [...], "bytes": N, "seconds": S|null}``; a connection that closes without ``end`` counts the
+same), ``takeover`` (``job``, ``step``, ``run``, ``shared``: a run that did not restore saves ``step``
+first, so the steps of other runs from ``step`` on are dropped, from S3 too with ``shared``; answers
+``{"dropped": {tier: [steps]}}``); ``prefetch`` (the warm restore's report, waiting up to ``timeout`` s
+for it) and ``rewind`` (``job``, ``step``, ``run``: the job resumed from ``step``, so later steps in
+memory are dropped), both called by a restore, and ``lower`` (``job``: the newest step of it that any tier
+could hold, as far as the agent knows, so a restore from memory can skip S3).
 A failed request answers ``{"ok": false, "error": <type>, "message": <one line>}``; the client raises :class:`AgentError`.
 Lines are limited to ``MAX_LINE`` bytes.
 

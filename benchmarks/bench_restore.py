@@ -1,6 +1,6 @@
 """Restore time per tier for a ~1 GiB state, against a memory copy, raw loopback TCP and DCP load.
 
-    python benchmarks/bench_restore.py [--size-gib 1.0] [--runs 5]
+    python benchmarks/bench_restore.py [--size-gib 0.25,1.0] [--runs 5]
 
 One checkpoint of a GPT-like model + AdamW state is saved through a node agent that has a peer, a disk
 folder and an S3 endpoint (moto's server on 127.0.0.1). Then:
@@ -48,9 +48,22 @@ NO_KEEP = "memory, keep_state=False"
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--size-gib", type=float, default=1.0)
+    ap.add_argument("--size-gib", default="0.25,1.0", help="state sizes, comma-separated (GiB)")
     ap.add_argument("--runs", type=int, default=5)
     a = ap.parse_args()
+    sizes = [float(x) for x in a.size_gib.split(",")]
+    for size in sizes:
+        run_size(size, a.runs)
+    return 0
+
+
+def _mm(xs: list[float]) -> str:
+    """``median / max`` seconds of ``xs``."""
+    return f"{statistics.median(xs):.3f} / {max(xs):.3f}"
+
+
+def run_size(size_gib: float, runs: int) -> None:
+    """Every table for one state size (see the module docstring)."""
     import ckpt
     from recovery import plan_restore, scan_tiers
     from tiers import DiskTier, MemoryTier
@@ -76,12 +89,12 @@ def main() -> int:
         recovery_shm = {"memory": shms[0], "peer": shms[2], "disk": os.path.join(work, "only-disk", "shm"),
                         "s3": os.path.join(work, "only-s3", "shm")}
 
-        ts = build_state(a.size_gib)
+        ts = build_state(size_gib)
         state = {"model": ts.model, "optim": ts.optim}
         with ckpt.Checkpointer("bench", shm=shms[0], spawn=False) as ck:
             ck.save(0, state).wait()
         time.sleep(1.0)
-        target_ts = build_state(a.size_gib, seed=1)
+        target_ts = build_state(size_gib, seed=1)
         target = {"model": target_ts.model, "optim": target_ts.optim}
         tensors = ts.tensors()
         nbytes = sum(t.numel() * t.element_size() for t in tensors)
@@ -89,7 +102,7 @@ def main() -> int:
         # bound for a memory restore: the same tensors copied between two warm buffers
         dst = [torch.empty_like(t) for t in tensors]
         copies = []
-        for _ in range(a.runs + 1):
+        for _ in range(runs + 1):
             t0 = time.perf_counter()
             for d, s in zip(dst, tensors):
                 d.copy_(s)
@@ -98,7 +111,7 @@ def main() -> int:
         src = os.path.join(work, "raw.bin")
         with open(src, "wb") as f:
             f.write(os.urandom(1 << 20) * (nbytes >> 20))
-        raw = raw_socket(src, (nbytes >> 20) << 20, a.runs)
+        raw = raw_socket(src, (nbytes >> 20) << 20, runs)
         raw_gbps = ((nbytes >> 20) << 20) / statistics.median(raw) / 1e9
         os.unlink(src)
 
@@ -108,7 +121,7 @@ def main() -> int:
         sd = {"model": ts.model.state_dict(), "optim": ts.optim.state_dict()}
         dcp.save(sd, storage_writer=dcp.FileSystemWriter(dcp_dir), no_dist=True)
         dcp_times = []
-        for _ in range(a.runs + 1):
+        for _ in range(runs + 1):
             tgt = {"model": target_ts.model.state_dict(), "optim": target_ts.optim.state_dict()}
             t0 = time.perf_counter()
             dcp.load(tgt, storage_reader=dcp.FileSystemReader(dcp_dir), no_dist=True)
@@ -122,7 +135,7 @@ def main() -> int:
         with ckpt.Checkpointer("bench", shm=shms[0], spawn=False) as ck:
             plans = {name: plan_restore(scan_tiers([tier], "bench"), "bench", 0) for name, tier in tiers.items()}
             # round robin over the tiers, so drift in the machine's load spreads over all of them
-            for run in range(a.runs + 1):
+            for run in range(runs + 1):
                 for name, plan in plans.items():
                     t0 = time.perf_counter()
                     report = ck._loader.load(plan, target)
@@ -139,10 +152,13 @@ def main() -> int:
         # if it fails (what that safety net costs)
         recovery: dict[str, list[float]] = {name: [] for name in (*recovery_shm, NO_KEEP, "dcp")}
         restore_only: dict[str, list[float]] = {name: [] for name in recovery}
-        for run in range(a.runs + 1):
+        connect: list[float] = []
+        for run in range(runs + 1):
             for name, shm in [*recovery_shm.items(), (NO_KEEP, recovery_shm["memory"])]:
                 t0 = time.perf_counter()
                 with ckpt.Checkpointer("bench", shm=shm, spawn=False) as ck:
+                    if run and name == "memory":
+                        connect.append(time.perf_counter() - t0)
                     assert ck.restore(target, keep_state=name != NO_KEEP) == 0
                     t1 = time.perf_counter()
                     assert ck.last_restore.tiers == [name.split(",")[0]], (name, ck.last_restore.shards)
@@ -164,35 +180,37 @@ def main() -> int:
 
         med = {k: statistics.median(v) for k, v in results.items()}
         bound = statistics.median(copies[1:])
+        dcp_med = statistics.median(dcp_times[1:])
         print(f"\n{os.cpu_count()} cores, torch {torch.__version__}, state {nbytes / 2**30:.2f} GiB in "
-              f"{len(tensors)} tensors, median of {a.runs}; disk and DCP reads are from the page cache\n")
-        print("| restore from | median s | GB/s | compared with |")
+              f"{len(tensors)} tensors, {runs} runs each (median / max); disk and DCP reads are from the page "
+              "cache\n")
+        print("| restore from | s, median / max | GB/s (median) | compared with (medians) |")
         print("|---|---|---|---|")
-        print(f"| memory copy of the tensors (bound) | {bound:.3f} | {nbytes / bound / 1e9:.2f} | |")
-        print(f"| raw loopback socket (bound for peer) | {statistics.median(raw):.3f} | {raw_gbps:.2f} | |")
-        print(f"| DCP load, local folder | {statistics.median(dcp_times[1:]):.3f} | "
-              f"{nbytes / statistics.median(dcp_times[1:]) / 1e9:.2f} | |")
+        print(f"| memory copy of the tensors (bound) | {_mm(copies[1:])} | {nbytes / bound / 1e9:.2f} | |")
+        print(f"| raw loopback socket (bound for peer) | {_mm(raw)} | {raw_gbps:.2f} | |")
+        print(f"| DCP load, local folder | {_mm(dcp_times[1:])} | {nbytes / dcp_med / 1e9:.2f} | |")
         for name in ("memory", "peer", "disk", "s3"):
             t = med[name]
             gbps = nbytes / t / 1e9
-            vs = {"memory": f"{bound / t:.2f}× the memory copy",
-                  "peer": f"{gbps / raw_gbps:.2f}× raw socket; {med['s3'] / t:.1f}× faster than S3",
-                  "disk": f"{statistics.median(dcp_times[1:]) / t:.2f}× DCP load's speed",
+            vs = {"memory": f"{t / bound:.2f}x the memory copy's time",
+                  "peer": f"{gbps / raw_gbps:.2f}x raw socket's speed; {med['s3'] / t:.1f}x faster than S3",
+                  "disk": f"{dcp_med / t:.2f}x DCP load's speed",
                   "s3": ""}[name]
-            print(f"| tierckpt {name} | {t:.3f} | {gbps:.2f} | {vs} |")
+            print(f"| tierckpt {name} | {_mm(results[name])} | {gbps:.2f} | {vs} |")
         print("\nEach tierckpt row: read + verify every checksum + copy into the tensors + load the state dicts.")
         rmed = {k: statistics.median(v) for k, v in recovery.items()}
-        omed = {k: statistics.median(v) for k, v in restore_only.items()}
         print("\nRecovery, restart to first training step (connect + restore() + one step), "
-              f"median of {a.runs}:\n")
-        print("| restore from | to first step s | of which restore() s | compared with DCP load |")
+              f"{runs} runs (median / max):\n")
+        print("| restore from | to first step s | of which connect + restore() s | compared with DCP (medians) |")
         print("|---|---|---|---|")
         for name in ("memory", NO_KEEP, "peer", "disk", "s3", "dcp"):
-            label = "DCP load, local folder" if name == "dcp" else f"tierckpt {name}"
-            vs = "" if name == "dcp" else f"{rmed['dcp'] / rmed[name]:.2f}× faster"
-            print(f"| {label} | {rmed[name]:.3f} | {omed[name]:.3f} | {vs} |")
-        print(f"\npeer recovery is {rmed['s3'] / rmed['peer']:.1f}× faster than S3's")
-        return 0
+            label = "get_state_dict + DCP load + set_state_dict, local folder" if name == "dcp" \
+                else f"tierckpt {name}"
+            vs = "" if name == "dcp" else (f"{rmed['dcp'] / rmed[name]:.2f}x faster to the first step; restore "
+                                          f"{statistics.median(restore_only['dcp']) / statistics.median(restore_only[name]):.2f}x")
+            print(f"| {label} | {_mm(recovery[name])} | {_mm(restore_only[name])} | {vs} |")
+        print(f"\nconnect to a running agent (Checkpointer(...)): {_mm(connect)} s; "
+              f"peer recovery is {rmed['s3'] / rmed['peer']:.1f}x faster than S3's")
     finally:
         for p in procs:
             p.terminate()

@@ -8,16 +8,20 @@ checksum. Which step, which places and what to do when a place fails is the Chec
 (:meth:`ckpt.Checkpointer.restore`); :func:`kept` puts the CPU tensors back if a load fails half-way.
 
 A load comes in two halves: :meth:`ShardLoader.prepare` (and ``prepare_resharded``) reads and verifies
-everything, writing only into CPU tensors it reads in place, and returns a :class:`Prepared`; its ``finish``
-writes the rest (tensors on other devices, values, the containers' state dicts). Under torch.distributed the
+everything and returns a :class:`Prepared`; its ``finish`` writes the state (tensors, values, the
+containers' state dicts). A shard in a local file is hashed first and copied into the tensors only by
+``finish``: nothing is written before every byte is verified, so nothing has to be copied to be put back.
+Only reads that land in CPU tensors as they are verified (a peer's ranged reads, DCP's resharding) write
+during ``prepare``, after the caller's ``before_write`` hook (:meth:`Kept.take`). Under torch.distributed the
 Checkpointer finishes only once every rank has prepared the same step, so a step that fails on one rank
-leaves nothing but the CPU tensors (put back by :func:`kept`) changed on the others.
+leaves nothing but those CPU tensors (put back by :func:`kept`) changed on the others.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import logging
 import os
 import time
@@ -55,6 +59,51 @@ class StateMismatchError(KeyError):
 _READ_BATCH = 16 << 20
 
 
+#: bytes per read of the pass that verifies a local file before anything is written (:meth:`ShardLoader.
+#: _load_verified_file`): small enough to stay in the core's cache between the read and the hash
+_VERIFY_BLOCK = 2 << 20
+
+
+def _pread_batch(fd: int, path: str, batch: list[tuple[int, memoryview]]) -> None:
+    """Fill each ``(offset, view)`` of ``batch`` from ``fd`` at that offset (OSError if the file ends early)."""
+    for at, mv in batch:
+        done = 0
+        while done < len(mv):
+            n = os.preadv(fd, [mv[done:]], at + done)
+            if n <= 0:
+                raise OSError(f"{path} ended early")
+            done += n
+
+
+def _batches(pieces: list[tuple[int, memoryview, Any]]) -> list[list[tuple[int, memoryview]]]:
+    """``pieces`` (shard offset, view, …) cut into batches of up to :data:`_READ_BATCH` bytes, in order."""
+    batches: list[list[tuple[int, memoryview]]] = [[]]
+    filled = 0
+    for at, mv, _ in pieces:
+        for lo in range(0, len(mv), _READ_BATCH):
+            part = mv[lo:lo + _READ_BATCH]
+            if filled and filled + len(part) > _READ_BATCH:
+                batches.append([])
+                filled = 0
+            batches[-1].append((at + lo, part))
+            filled += len(part)
+    return batches
+
+
+def _run_batches(copiers: list, read_batch: Callable, batches: list) -> list:
+    """Submit each batch to the copier threads, round robin; the futures, in order."""
+    return [copiers[i % len(copiers)].submit(read_batch, b) for i, b in enumerate(batches)]
+
+
+def _settle(futs: list) -> None:
+    """Cancel what has not started and let the rest end (a read still running writes into its buffer)."""
+    for f in futs:
+        f.cancel()
+    for f in futs:
+        if not f.cancelled():
+            f.exception()
+
+
 @contextlib.contextmanager
 def _direct_reader(tier: Tier, key: str, size: int):
     """A function that fills a batch of contiguous ``(offset, view)`` pieces of ``key`` from ``tier`` without a
@@ -75,13 +124,7 @@ def _direct_reader(tier: Tier, key: str, size: int):
                     raise OSError(f"{path} is {found} bytes, the manifest says {size}")
             else:
                 def read_batch(batch: list[tuple[int, memoryview]]) -> None:
-                    for at, mv in batch:
-                        done = 0
-                        while done < len(mv):
-                            n = os.preadv(fd, [mv[done:]], at + done)
-                            if n <= 0:
-                                raise OSError(f"{path} ended early")
-                            done += n
+                    _pread_batch(fd, path, batch)
             yield read_batch
         finally:
             os.close(fd)
@@ -102,13 +145,21 @@ class Kept:
         self.saved: list[tuple[torch.Tensor, torch.Tensor]] | None = None
         #: the optimizers that had no state before :meth:`take` (:attr:`Flat.uninitialized`)
         self.uninitialized: list[torch.optim.Optimizer] = []
+        self._flat: Flat | None = None
+
+    def mark(self) -> None:
+        """Note the optimizers that have no state yet (the restore's flattening initialises them), without
+        copying anything; :meth:`put_back` gives them their empty state back."""
+        if self._flat is None:
+            self._flat = flatten_state(self.state, for_restore=True)
+            self.uninitialized = self._flat.uninitialized
 
     def take(self) -> None:
         """Copy the CPU tensors (once; later calls do nothing)."""
         if self.saved is not None:
             return
-        flat = flatten_state(self.state, for_restore=True)
-        self.uninitialized = flat.uninitialized
+        self.mark()
+        flat = self._flat
         self.saved = []
         for leaf in flat.leaves:
             if leaf.tensor is not None:
@@ -130,13 +181,16 @@ def kept(state: dict, take: bool = True):
     entry, or with ``take=False`` when the block calls ``take()``); optimizers that had no state get their
     empty state back too.
 
-    A restore reads straight into CPU tensors and verifies the bytes as they land, so a damaged copy
-    is found only once it has overwritten them: they are copied first (one copy of them in host memory,
-    for as long as the block runs). Other tensors are written only after their bytes are verified.
+    A read from a peer (or through DCP's resharding) lands straight in CPU tensors and is verified as it
+    lands, so a damaged copy is found only once it has overwritten them: they are copied first (one copy of
+    them in host memory, for as long as the block runs). A local file is verified before it is copied in, and
+    every other write waits for verified bytes, so a restore from memory copies nothing to put back.
     """
     k = Kept(state)
     if take:
         k.take()
+    else:
+        k.mark()
     try:
         yield k
     except BaseException:
@@ -237,7 +291,8 @@ class ShardLoader:
         prepared.finish()
         return prepared.reports
 
-    def prepare_resharded(self, plan: RestorePlan, state: dict, world: int | None = None) -> Prepared:
+    def prepare_resharded(self, plan: RestorePlan, state: dict, world: int | None = None,
+                          before_write: Callable[[], None] | None = None) -> Prepared:
         """Restore a step saved by another number of ranks (``world``: the restoring job's), or through a shared
         tier's view: DCP reshards the tensors through :class:`ckpt._reader.PlanReader`, from the shards the plan
         has sources for (all, or those holding this rank's chunks), each tensor checked to be covered by them;
@@ -270,6 +325,8 @@ class ShardLoader:
                 f"{' …' if len(short) > 5 else ''}; `ckpt verify {plan.job} --step {plan.step}` checks the step")
         # each rank plans its own reads from its own tensors: no collective, so ranks that restore by another
         # route in the same attempt (their own shard, their replicas) never leave this one waiting
+        if before_write is not None:
+            before_write()  # DCP writes each tensor as its shard is read: keep what they held
         with torch.no_grad(), warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
             try:
@@ -315,9 +372,12 @@ class ShardLoader:
         prepared.finish()
         return prepared.reports[0]
 
-    def prepare(self, plan: RestorePlan, state: dict) -> Prepared:
+    def prepare(self, plan: RestorePlan, state: dict, before_write: Callable[[], None] | None = None) -> Prepared:
         """Read and verify this rank's shard of ``plan`` (or rebuild it from its replicas), from the first of its
-        places that holds it intact; CPU tensors read in place are written now, everything else by ``finish``."""
+        places that holds it intact. A local file (memory, uncompressed disk) is verified first and copied into
+        the tensors by ``finish``; a peer's ranged reads land in CPU tensors now, verified as they land, after
+        ``before_write()`` (the caller keeping what the tensors held: :meth:`Kept.take`); everything else is
+        written by ``finish``."""
         if self.rank in plan.replicas:
             return self._load_replicas(plan, state)
         info = plan.manifest.shard(self.rank)
@@ -327,10 +387,19 @@ class ShardLoader:
         # sources that can read byte ranges straight into the tensors go first, as the plan orders them;
         # the first one that cannot ends the direct attempts, and the rest go through a buffer
         while rest and info.size:
+            path = getattr(rest[0], "local_file", lambda k: None)(key) if self.verify else None
+            if path is not None:
+                report = self._load_verified_file(plan, state, info, rest[0], path)
+                if isinstance(report, Prepared):
+                    report.reports[0].failures = failures + report.reports[0].failures
+                    return report
+                failures.append(f"{source_name(rest[0])}: {report}")
+                rest = rest[1:]
+                continue
             with _direct_reader(rest[0], key, info.size) as read_batch:
                 if read_batch is None:
                     break
-                report = self._load_direct(plan, state, info, rest[0], read_batch)
+                report = self._load_direct(plan, state, info, rest[0], read_batch, before_write)
             if isinstance(report, Prepared):
                 report.reports[0].failures = failures + report.reports[0].failures
                 return report
@@ -432,32 +501,19 @@ class ShardLoader:
         return self._apply(plan, state, info, _Rebuilt(view, report))
 
     def _load_direct(self, plan: RestorePlan, state: dict, info: Any, tier: Tier,
-                     read_batch: Callable[[list[tuple[int, memoryview]]], None]) -> Prepared | str:
+                     read_batch: Callable[[list[tuple[int, memoryview]]], None],
+                     before_write: Callable[[], None] | None = None) -> Prepared | str:
         """Read the shard's bytes straight into the state's tensors and hash what was read.
 
         ``read_batch`` fills a batch of contiguous ``(shard offset, view)`` pieces, in order: ``preadv``
         from a local file (memory, uncompressed disk), or one ranged request to a peer. One copy per
         byte, no intermediate buffer, no mapping (on tmpfs, faulting a mapping's page tables in costs more
-        than the copy). Returns why, with the tensors possibly half-written (the caller keeps their
-        previous values: see :func:`_kept`), when a read fails or the checksum does not match.
+        than the copy). Returns why, with the tensors possibly half-written (``before_write()`` ran first: the
+        caller keeps their previous values, see :class:`Kept`), when a read fails or the checksum does not match.
         """
         t0 = time.perf_counter()
-        by_name, flat = self._target(plan, state, info)
-        targets: dict[int, tuple[Leaf | None, Any]] = {}
+        by_name, flat, targets = self._targets(plan, state, info)
         raw: list[tuple[Leaf | None, bytearray]] = []  # bytes values (and spilled JSON), read on their own
-        for leaf in flat.leaves:
-            entry = by_name.get(leaf.name)
-            if entry is None:
-                continue  # a JSON value kept in the shard: checked once read
-            if leaf.tensor is not None:
-                self._check_leaf(leaf, entry)
-            else:
-                self._check_value(leaf, entry)
-            if isinstance(entry, TensorChunk) and entry.nbytes:
-                targets[entry.offset] = (leaf, entry)
-        spill = by_name.get(VALUES_NAME)
-        if spill is not None and spill.nbytes:
-            targets[spill.offset] = (None, spill)
         from tiers.checksum import Hasher
 
         hasher = Hasher()
@@ -483,17 +539,10 @@ class ShardLoader:
         # the reads run on the copier threads (they release the GIL) in shard order, a batch of up to
         # _READ_BATCH bytes at a time, round robin; this thread hashes each batch as soon as it is in,
         # so the checksum pass overlaps the reads instead of following them
-        batches: list[list[tuple[int, memoryview]]] = [[]]
-        filled = 0
-        for at, mv, _ in pieces:
-            for lo in range(0, len(mv), _READ_BATCH):
-                part = mv[lo:lo + _READ_BATCH]
-                if filled and filled + len(part) > _READ_BATCH:
-                    batches.append([])
-                    filled = 0
-                batches[-1].append((at + lo, part))
-                filled += len(part)
-        futs = [self.copiers[i % len(self.copiers)].submit(read_batch, b) for i, b in enumerate(batches)]
+        batches = _batches(pieces)
+        if before_write is not None:
+            before_write()  # the tensors are written before their bytes are verified: keep what they held
+        futs = _run_batches(self.copiers, read_batch, batches)
         try:
             for batch, f in zip(batches, futs):
                 f.result()
@@ -505,11 +554,7 @@ class ShardLoader:
                         source_name(tier), e)
             return f"read failed: {e}"
         finally:
-            for f in futs:
-                f.cancel()
-            for f in futs:
-                if not f.cancelled():
-                    f.exception()  # a read still running writes into the tensors: let it end first
+            _settle(futs)  # a read still running writes into the tensors: let it end first
         if self.verify:
             got = hasher.hexdigest()
             if got != info.checksum:
@@ -536,6 +581,147 @@ class ShardLoader:
 
         report = ShardReport(self.rank, tier.name, info.size, time.perf_counter() - t0, source=source_name(tier))
         return Prepared([report], apply, pieces.clear)
+
+    def _targets(self, plan: RestorePlan, state: dict, info: Any) -> tuple[dict, Flat, dict[int, tuple]]:
+        """:meth:`_target`, each leaf checked against its entry, and what the shard's bytes fill:
+        ``{offset: (leaf, entry)}`` (leaf None for the spilled JSON values)."""
+        by_name, flat = self._target(plan, state, info)
+        targets: dict[int, tuple[Leaf | None, Any]] = {}
+        for leaf in flat.leaves:
+            entry = by_name.get(leaf.name)
+            if entry is None:
+                continue  # a JSON value kept in the shard: checked once read
+            if leaf.tensor is not None:
+                self._check_leaf(leaf, entry)
+            else:
+                self._check_value(leaf, entry)
+            if isinstance(entry, TensorChunk) and entry.nbytes:
+                targets[entry.offset] = (leaf, entry)
+        spill = by_name.get(VALUES_NAME)
+        if spill is not None and spill.nbytes:
+            targets[spill.offset] = (None, spill)
+        return by_name, flat, targets
+
+    def _hash_file(self, fd: int, path: str, size: int) -> str:
+        """The checksum of ``fd``'s first ``size`` bytes: the copier threads read it in blocks of
+        :data:`_VERIFY_BLOCK` into a ring of buffers, this thread hashes each block in order as it arrives."""
+        from collections import deque
+
+        from tiers.checksum import Hasher
+
+        hasher = Hasher()
+        depth = 2 * len(self.copiers) + 2
+        ring = [memoryview(bytearray(_VERIFY_BLOCK)) for _ in range(depth)]
+        running: deque = deque()
+        at = i = 0
+        try:
+            while at < size or running:
+                # a buffer is handed out again only once its block is hashed: at most ``depth`` in flight
+                while at < size and len(running) < depth:
+                    view = ring[i % depth][:min(_VERIFY_BLOCK, size - at)]
+                    running.append((self.copiers[i % len(self.copiers)].submit(_pread_batch, fd, path, [(at, view)]),
+                                    view))
+                    at += len(view)
+                    i += 1
+                fut, view = running.popleft()
+                fut.result()
+                hasher.update(view)
+        finally:
+            _settle([f for f, _ in running])
+        return hasher.hexdigest()
+
+    def _load_verified_file(self, plan: RestorePlan, state: dict, info: Any, tier: Tier,
+                            path: str) -> Prepared | str:
+        """Verify the shard's local file (memory, uncompressed disk) before anything is written, then copy it
+        into the state's tensors in ``finish``: one pass hashing the file, one ``preadv`` straight into the
+        tensors, and no copy of what the tensors held, since nothing is written unless the bytes are intact.
+
+        Returns why, with nothing written, when the file cannot be read or its checksum does not match. The
+        file is checked again once copied (inode, size, change times): a shard rewritten in between, which no
+        agent does to a committed step, fails the restore loudly rather than loading unverified bytes.
+        """
+        t0 = time.perf_counter()
+        by_name, flat, targets = self._targets(plan, state, info)
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except OSError as e:
+            return f"could not open {path}: {e}"
+        keep_fd = False
+        try:
+            st = os.fstat(fd)
+            if st.st_size != info.size:
+                return f"{path} is {st.st_size} bytes, the manifest says {info.size}"
+            try:
+                got = self._hash_file(fd, path, info.size)
+            except OSError as e:
+                log.warning("restore of rank %d from %s failed, trying the next place: %s", self.rank,
+                            source_name(tier), e)
+                return f"read failed: {e}"
+            if got != info.checksum:
+                log.warning("rank %d shard in %s has checksum %s, manifest says %s: trying the next place",
+                            self.rank, source_name(tier), got, info.checksum)
+                return f"checksum {got}, the manifest says {info.checksum}"
+            # values (bytes, the spilled JSON) now: they go into no tensor
+            raw: dict[int, bytes] = {}
+            spilled = None
+            for off, (leaf, entry) in targets.items():
+                if leaf is None or leaf.tensor is None:
+                    buf = bytearray(entry.nbytes)
+                    _pread_batch(fd, path, [(off, memoryview(buf))])
+                    if leaf is None:
+                        spilled = buf
+                    else:
+                        raw[id(leaf)] = bytes(buf)
+            self._spilled(plan, by_name, flat, spilled)
+            keep_fd = True
+        finally:
+            if not keep_fd:
+                os.close(fd)
+        seen = (st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+        def apply() -> None:
+            pieces: list[tuple[int, memoryview, Any]] = []
+            for off, (leaf, entry) in sorted(targets.items()):
+                if leaf is None or leaf.tensor is None:
+                    continue
+                local = local_chunk(leaf.tensor)[0]
+                direct = local.is_cpu and local.is_contiguous()
+                dst = local if direct else self.device(local.device.type).host_empty(entry.shape, local.dtype)
+                pieces.append((off, _buffer_view(dst.data_ptr(), entry.nbytes), None if direct else (local, dst)))
+            futs = _run_batches(self.copiers, functools.partial(_pread_batch, fd, path), _batches(pieces))
+            try:
+                for f in futs:
+                    f.result()
+            finally:
+                _settle(futs)
+            now = os.fstat(fd)
+            if (now.st_ino, now.st_size, now.st_mtime_ns, now.st_ctime_ns) != seen:
+                raise ShardUnavailableError(
+                    f"{path} changed while rank {self.rank}'s state was read from it (after it was verified): "
+                    "the state's CPU tensors may hold some of the new bytes; restore again")
+            by_device: dict[str, list] = {}
+            for _, _, staged in pieces:
+                if staged is not None:
+                    by_device.setdefault(staged[0].device.type, []).append(staged)
+            for device_type, pairs in by_device.items():
+                self.device(device_type).restore(pairs)
+            with torch.no_grad():
+                for leaf in flat.leaves:
+                    if leaf.tensor is None:
+                        self._fill(leaf, by_name[leaf.name], None, raw.get(id(leaf), b""))
+            for run in flat.appliers:
+                run()
+
+        closed = False
+
+        def release() -> None:
+            nonlocal closed
+            if not closed:
+                closed = True
+                os.close(fd)
+
+        report = ShardReport(self.rank, tier.name, info.size, time.perf_counter() - t0, source=source_name(tier))
+        return Prepared([report], apply, release)
 
     @staticmethod
     def _target(plan: RestorePlan, state: dict, info: Any) -> tuple[dict, Flat]:

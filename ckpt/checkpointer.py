@@ -51,7 +51,7 @@ import threading
 import time
 import warnings
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -1064,16 +1064,18 @@ class Checkpointer:
         Returns None only when every tier could be listed and none holds a
         committed step of the job (shards without a manifest anywhere are a
         save cut short before it committed: nothing to restore). A failed
-        restore leaves ``state`` as it was: the CPU tensors a read fills in
-        place are copied first (host memory for one copy of them, held during
-        the restore) and put back on any failure; other tensors, JSON values
-        and modules are written only once every byte is verified, and under
-        torch.distributed only once every rank has verified the same step, so
-        a step one rank cannot restore changes nothing on the others. That copy
-        costs about as much as the restore itself from memory (1 GiB of CPU
-        tensors: 0.07-0.25 s); with ``keep_state=False`` it is not made, and a
-        failed restore may leave CPU tensors partly overwritten (for a caller
-        that exits or re-initialises the state when a restore fails).
+        restore leaves ``state`` as it was. A shard in a local file (memory, an
+        uncompressed disk) is verified before anything is written and copied
+        into the tensors once every rank has verified the same step, so a step
+        one rank cannot restore changes nothing on the others; the same holds
+        for JSON values, modules and every read through a buffer. Only a read
+        that lands in CPU tensors before its bytes are verified (a peer's
+        ranged reads, a step resharded from another world size) first copies
+        the CPU tensors (host memory for one copy of them, held during the
+        restore) to put them back on any failure; with ``keep_state=False``
+        that copy is not made, and such a failed restore may leave CPU tensors
+        partly overwritten (for a caller that exits or re-initialises the state
+        when a restore fails).
         Tensors on an accelerator are never copied: their bytes land only
         once verified (in a restore at another world size DCP writes them as
         it reads). An optimizer that has not stepped keeps its empty state
@@ -1160,10 +1162,8 @@ class Checkpointer:
                     used, why = None, cannot
                 else:
                     used = manifest_for(invs, self.job, agreed, skip)
-                    if keep_state:
-                        before.take()
                     try:
-                        prepared = self._restore_step(invs, agreed, state, skip)
+                        prepared = self._restore_step(invs, agreed, state, skip, before.take if keep_state else None)
                         why = None
                     except (ShardUnavailableError, StepNotFoundError, ManifestError, TierError) as e:
                         why = str(e)
@@ -1254,10 +1254,12 @@ class Checkpointer:
             f"{describe_step(invs, self.job, want)}. `ckpt verify {self.job} --step {want}` shows what is "
             "damaged; make an unreachable tier reachable, or pass an older step to restore(step=...)".split()))
 
-    def _restore_step(self, invs: list[TierInventory], agreed: int, state: dict, skip: set[str]) -> Prepared:
+    def _restore_step(self, invs: list[TierInventory], agreed: int, state: dict, skip: set[str],
+                      before_write: Callable[[], None] | None = None) -> Prepared:
         """Plan (passing over the manifests in ``skip``) and prepare ``agreed`` for ``state``: read and verified,
-        applied by the caller (``Prepared.finish``). CPU tensors read in place are written already: the
-        caller's :func:`kept` puts them back if no step is restored in the end."""
+        applied by the caller (``Prepared.finish``). CPU tensors a read fills before its bytes are verified (a
+        peer's, a resharded step's) are written already, after ``before_write()``: the caller's :func:`kept`
+        puts them back if no step is restored in the end."""
         # saves after this restore retake the step numbers after ``agreed``: the agent drops what the
         # failed run left of them, so they are not refused as already committed
         try:
@@ -1291,9 +1293,9 @@ class Checkpointer:
                     raise
                 whole = plan_restore(invs + scan_tiers(others, self.job), self.job, agreed, needed, costs=costs,
                                      skip=skip)
-            prepared = self._loader.prepare_resharded(whole, state, self.world)
+            prepared = self._loader.prepare_resharded(whole, state, self.world, before_write)
         else:
-            prepared = self._loader.prepare(plan, state)
+            prepared = self._loader.prepare(plan, state, before_write)
         self._learn(costs, costs_file, prepared.reports)
         return prepared
 

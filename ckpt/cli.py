@@ -227,7 +227,9 @@ written last in every place, so a place holding it has committed the step.
   bad manifest    a manifest that could not be read or parsed
   -               nothing of the step;   ?  the tier could not be listed
 restorable: every shard is held, at its size, by a tier shown that committed the same manifest as
-the first tier holding the step.
+the first tier holding the step. The newest such step has its manifests read and their checksums
+checked (a damaged one shows as `bad manifest`, and the next newest is checked); older steps are
+taken from the index.
 
 Each tier's step index (one object per job and place, kept by whoever commits or deletes a step
 there) is read instead of every manifest; a tier whose index is absent, damaged or unreadable is
@@ -272,7 +274,9 @@ def cmd_list(a: argparse.Namespace) -> int:
     steps = sorted({st for p in places for st in p.steps}, reverse=True)
     now = time.time()
     rows = [["step"] + [p.name for p in places] + ["size", "age", "restorable"]]
-    restorable = restorable_steps(places)
+    # the newest restorable step's manifests are read and checked: an index row says a manifest was
+    # committed, not that its bytes are whole; a damaged one shows as such and the next newest is checked
+    restorable = restorable_steps(places, check_newest=True)
     for step in steps:
         row = [str(step)]
         size, created = 0, 0.0

@@ -35,7 +35,7 @@ from tiers.manifest import Manifest
 from .inventory import SHARED_TIERS, StepInTier, TierInventory, in_parallel, scan_tier
 
 __all__ = ["PlaceStep", "PlaceSteps", "index_disagreements", "keeps_index", "list_places", "note_commit", "note_delete", "rebuild",
-           "rebuild_places", "restorable_steps", "rows_of"]
+           "manifest_intact", "rebuild_places", "restorable_steps", "rows_of"]
 
 log = logging.getLogger("tierckpt.index")
 
@@ -249,6 +249,8 @@ class PlaceSteps:
     source: str = "index"
     note: str | None = None
     error: BaseException | None = None
+    #: the job listed
+    tier_job: str = ""
 
     @property
     def name(self) -> str:
@@ -262,9 +264,9 @@ class PlaceSteps:
 def _from_scan(tier: Tier, job: str, note: str | None) -> PlaceSteps:
     inv: TierInventory = scan_tier(tier, job)
     if inv.error is not None:
-        return PlaceSteps(tier, source="scan", note=note, error=inv.error)
+        return PlaceSteps(tier, source="scan", note=note, error=inv.error, tier_job=job)
     steps = {s: PlaceStep(s, st.row, st.committed, st.problem) for s, st in inv.job(job).items()}
-    return PlaceSteps(tier, steps, "scan", note)
+    return PlaceSteps(tier, steps, "scan", note, tier_job=job)
 
 
 def _place(tier: Tier, job: str, scan: bool) -> PlaceSteps:
@@ -278,7 +280,7 @@ def _place(tier: Tier, job: str, scan: bool) -> PlaceSteps:
         return _from_scan(tier, job, f"its step index could not be read ({e})")
     if idx is None:
         return _from_scan(tier, job, "it has no step index")
-    return PlaceSteps(tier, {s: PlaceStep(s, r) for s, r in idx.rows.items()})
+    return PlaceSteps(tier, {s: PlaceStep(s, r) for s, r in idx.rows.items()}, tier_job=job)
 
 
 def list_places(tiers: list[Tier], job: str, *, scan: bool = False, timeout: float = 30.0) -> list[PlaceSteps]:
@@ -286,18 +288,62 @@ def list_places(tiers: list[Tier], job: str, *, scan: bool = False, timeout: flo
     object), or from a scan of every manifest there when ``scan`` is set or the index is absent, damaged or
     unreadable. A tier that does not answer within ``timeout`` seconds gets ``error`` set."""
     keys.check_job(job)
-    return in_parallel(tiers, lambda t: _place(t, job, scan), lambda t, e: PlaceSteps(t, error=e), timeout)
+    return in_parallel(tiers, lambda t: _place(t, job, scan), lambda t, e: PlaceSteps(t, error=e, tier_job=job),
+                       timeout)
 
 
-def restorable_steps(places: list[PlaceSteps]) -> set[int]:
+def manifest_intact(tier: Tier, job: str, step: int, claimed: str) -> bool:
+    """Whether the manifest of ``step`` in ``tier`` is the one an index row names (``claimed``: its checksum),
+    whole: its bytes end in the seal over them (a version-2 manifest as written), or hash to ``claimed`` (one
+    without a seal of its own). One read and one hash over its bytes, no parse. A manifest that cannot be
+    read is not intact."""
+    from tiers import _sealed
+
+    try:
+        raw = bytes(tier.get(keys.manifest_key(job, step)))
+    except (TierError, OSError):
+        return False
+    tail = b',"checksum":"' + claimed.encode() + b'"}'
+    if raw.endswith(tail) and _sealed.checksum_of(raw[: -len(tail)] + b"}") == claimed:
+        return True
+    if _sealed.checksum_of(raw) == claimed:
+        return True
+    try:  # sealed, but not as its writer serialised it (a tool rewrote it): the parse decides
+        return Manifest.from_bytes(raw, job=job, step=step).checksum == claimed
+    except ValueError:
+        return False
+
+
+def restorable_steps(places: list[PlaceSteps], *, check_newest: bool = False) -> set[int]:
     """Steps whose every shard is held, at the manifest's size, by a place that committed the same manifest as
-    the first place (in the given order) holding the step."""
+    the first place (in the given order) holding the step.
+
+    ``check_newest``: the rows come from step indexes, which say a manifest was committed, not that its bytes
+    are still whole. The newest step found restorable has each of its places' manifests read and its checksum
+    checked (:func:`manifest_intact`); a place whose manifest is damaged no longer counts (its row is marked
+    so: ``PlaceStep.problem``), and the next newest step is checked the same way until one holds. Older steps
+    are taken from the indexes as they are: the check costs one step's manifests, not the job's history."""
     out: set[int] = set()
-    for step in {s for p in places for s in p.steps}:
-        rows = [p.steps[step].row for p in places if step in p.steps and p.steps[step].row is not None]
-        if not rows:
-            continue
-        same = [r for r in rows if r.manifest == rows[0].manifest and r.world == rows[0].world]
-        if len(set().union(*(r.held for r in same))) == rows[0].world:
-            out.add(step)
+    checking = check_newest
+    for step in sorted({s for p in places for s in p.steps}, reverse=True):
+        while True:
+            held = [(p, p.steps[step]) for p in places if step in p.steps and p.steps[step].row is not None]
+            if not held:
+                break
+            first = held[0][1].row
+            same = [(p, st) for p, st in held if st.row.manifest == first.manifest and st.row.world == first.world]
+            if len(set().union(*(st.row.held for _, st in same))) != first.world:
+                break
+            if not checking:
+                out.add(step)
+                break
+            # a scan parsed (and so checked) every manifest it lists already
+            bad = [(p, st) for p, st in same if p.source != "scan"
+                   and not manifest_intact(p.tier, p.tier_job, step, st.row.manifest)]
+            if not bad:
+                out.add(step)
+                checking = False
+                break
+            for p, st in bad:
+                p.steps[step] = PlaceStep(step, None, True, "the manifest is damaged (its checksum does not match)")
     return out

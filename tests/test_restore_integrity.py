@@ -445,8 +445,8 @@ def test_failed_restore_leaves_the_tensors_untouched(tmp_path):
 
 
 def test_keep_state_false_skips_the_copy_and_still_fails_clearly(tmp_path):
-    """Without the copy a failed restore may leave the tensors partly overwritten (the caller said it would
-    re-initialise them); the failure is still a RestoreError naming the step, never None or wrong data kept."""
+    """The failure is a RestoreError naming the step, never None or wrong data kept. Memory and disk are local
+    files, verified before a byte is copied in, so the state is left as it was even without the copy."""
     with _saved(tmp_path, steps=(1,)) as (ck, _):
         key = keys.shard_key(JOB, 1, 0)
         for tier in _tiers(ck).values():
@@ -456,7 +456,35 @@ def test_keep_state_false_skips_the_copy_and_still_fails_clearly(tmp_path):
         before = _snapshot(state)
         with pytest.raises(RestoreError, match="step 1"):
             ck.restore(state, keep_state=False)
-        assert not _same(_snapshot(state), before)  # the copy really was skipped: the reads landed in place
+        assert _same(_snapshot(state), before)
+
+
+@pytest.mark.parametrize("damaged", [(), ("memory",), ("memory", "disk")])
+def test_a_restore_from_local_files_never_copies_the_state_to_put_it_back(tmp_path, monkeypatch, damaged):
+    """Memory and disk shards are hashed before anything is written, so the restore takes no copy of the
+    state's tensors (Kept.take), whether it succeeds from the first place, from the next one, or fails; and a
+    failed one leaves the state as it was."""
+    from ckpt import _load
+
+    taken = []
+    monkeypatch.setattr(_load.Kept, "take", lambda self: taken.append(1))
+    with _saved(tmp_path, steps=(1,)) as (ck, saved):
+        key = keys.shard_key(JOB, 1, 0)
+        tiers = _tiers(ck)
+        for name in damaged:
+            data = tiers[name].get(key)
+            tiers[name].put(key, _flip(data, len(data) // 2))
+        state = _state(7)
+        before = _snapshot(state)
+        if len(damaged) == len(tiers):
+            with pytest.raises(RestoreError, match="step 1"):
+                ck.restore(state)
+            assert _same(_snapshot(state), before)
+        else:
+            assert ck.restore(state) == 1
+            assert ck.last_restore.tiers == ["disk" if damaged else "memory"]
+            assert _same(_snapshot(state), saved[1])
+    assert taken == []
 
 
 # ---------------------------------------------------------------- misaligned offsets, absurd shapes

@@ -3,6 +3,7 @@ damaged one is reported and never trusted."""
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import threading
@@ -14,13 +15,14 @@ from hypothesis import strategies as st
 
 from procs import agent_call, ckpt_cmd, ckpt_counting_opens, start_agent
 from recovery import scan_tier
-from recovery.step_index import list_places, note_commit, note_delete, rebuild, rows_of
+from recovery.step_index import list_places, manifest_intact, note_commit, note_delete, rebuild, rows_of
 from s3util import server_log_size, server_requests, start_moto_server, stop_moto_server
 from steps import commit_steps
 from test_e2e_faults import _stage_raw
 from tiers import DiskTier, MemoryTier, keys
 from tiers.errors import ConditionalWriteUnsupportedError, StepIndexError
 from tiers.index import StepIndex, read_index
+from tiers.manifest import Manifest
 from tiers.s3 import S3Tier
 
 JOB = "idxjob"
@@ -81,8 +83,9 @@ def test_list_of_a_thousand_steps_reads_one_object_per_tier_on_disk_and_in_s3(tm
         assert all(r[1] == "complete" and r[-1] == "yes" for r in rows.values()), p.stdout
         reads[n] = (opened, requests)
     assert reads[1000] == reads[10], reads  # does not grow with the steps
-    assert reads[1000][0] == {"manifests": 0, "indexes": 1}
-    assert "LIST" not in reads[1000][1] and reads[1000][1].get("GET", 0) == 1, reads
+    assert reads[1000][0] == {"manifests": 0, "indexes": 1}  # node 0's disk: no step restorable, none checked
+    # S3: its index, and the manifest of the newest restorable step, checked to be whole
+    assert "LIST" not in reads[1000][1] and reads[1000][1].get("GET", 0) == 2, reads
     s3.close()
 
 
@@ -250,6 +253,63 @@ def test_list_says_when_an_index_is_damaged_and_shows_what_a_scan_finds(tmp_path
     ckpt_cmd("gc", JOB, *nowhere, check=True)  # rewrites it
     p = ckpt_cmd("list", JOB, *nowhere, check=True)
     assert not p.stderr and len(_rows(p.stdout)) == 4
+
+
+# ---------------------------------------------------------------------- damaged manifests behind a whole index
+def _cut(tier, step: int) -> None:
+    key = keys.manifest_key(JOB, step)
+    data = tier.get(key)
+    tier.put(key, data[: len(data) // 2])
+
+
+def test_list_never_calls_a_step_restorable_whose_every_manifest_is_cut(tmp_path):
+    """The index still names the step; its manifests are cut in half in every place. ``ckpt list`` checks the
+    newest restorable step's manifests, shows the damage, and moves on to the next newest."""
+    memory, disk = MemoryTier(tmp_path / "shm"), DiskTier(tmp_path / "disk", durable=False)
+    for tier in (memory, disk):
+        commit_steps(tier, JOB, range(4))
+    where = ["--shm", memory.root, "--socket", str(tmp_path / "no-agent.sock"), "--disk", disk.root]
+    rows = _rows(ckpt_cmd("list", JOB, *where, check=True).stdout)
+    assert [rows[str(s)][-1] for s in range(4)] == ["yes"] * 4
+    for tier in (memory, disk):
+        _cut(tier, 3)
+    rows = _rows(ckpt_cmd("list", JOB, *where, check=True).stdout)
+    assert rows["3"][1:5] == ["bad", "manifest", "bad", "manifest"] and rows["3"][-1] == "no", rows
+    assert rows["2"][-1] == "yes", rows
+    # every step's manifests cut: none is restorable, as restore() finds
+    for step in range(3):
+        for tier in (memory, disk):
+            _cut(tier, step)
+    rows = _rows(ckpt_cmd("list", JOB, *where, check=True).stdout)
+    assert [rows[str(s)][-1] for s in range(4)] == ["no"] * 4, rows
+
+
+def test_list_counts_a_step_whose_manifest_is_whole_in_another_place(tmp_path):
+    memory, disk = MemoryTier(tmp_path / "shm"), DiskTier(tmp_path / "disk", durable=False)
+    for tier in (memory, disk):
+        commit_steps(tier, JOB, range(2))
+    _cut(memory, 1)
+    where = ["--shm", memory.root, "--socket", str(tmp_path / "no-agent.sock"), "--disk", disk.root]
+    rows = _rows(ckpt_cmd("list", JOB, *where, check=True).stdout)
+    assert rows["1"][1:3] == ["bad", "manifest"] and rows["1"][3] == "complete" and rows["1"][-1] == "yes", rows
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(mutation=_mutations)
+def test_a_manifest_is_intact_only_as_it_was_written(tmp_path_factory, mutation):
+    disk, _ = _damage_place(tmp_path_factory)
+    key = keys.manifest_key(JOB, 8)
+    good = _DAMAGE_DIR.setdefault("manifest", disk.get(key))
+    claimed = Manifest.from_bytes(good, job=JOB, step=8).checksum  # what the place's index row names
+    bad = _mutate(good, mutation)
+    other = tmp_path_factory.mktemp("m")
+    tier = DiskTier(other, durable=False)
+    tier.put(key, bad)
+    try:  # only a change JSON ignores (spaces) leaves the manifest that was sealed
+        same = json.loads(bad) == json.loads(good)
+    except ValueError:
+        same = False
+    assert manifest_intact(tier, JOB, 8, claimed) == same
 
 
 # ---------------------------------------------------------------------- a real agent
