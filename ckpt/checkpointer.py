@@ -721,10 +721,12 @@ class Checkpointer:
                 waits.append(st.done)
         return now, later, waits
 
-    def _prelease(self, nbytes: int) -> None:
+    def _prelease(self, nbytes: int, ring: bool = True) -> None:
         """Lease the next save's slot now and map it, off the training thread, so ``save`` neither waits for
         the agent nor faults the mapping's pages in (the agent faults the slot's memory in when it leases it,
-        and the rest of the ring in the background after the first lease)."""
+        and the rest of the ring in the background after the first lease). With ``ring``, the ring's other
+        slots are mapped too; a restore leaves them to its first save's lease, so mapping them (page tables
+        for several times the state) does not take the cores the first training steps after it run on."""
         with self._lock:
             if self._next_slot is not None:
                 return  # leased ahead by an earlier task that a save did not wait for: the next save takes it
@@ -752,7 +754,7 @@ class Checkpointer:
             return
         with self._lock:
             self._next_slot = (r["slot"], nbytes)
-        ring = [p for p in r.get("ring") or [] if p != r["slot"]]
+        ring = [p for p in r.get("ring") or [] if p != r["slot"]] if ring else []
         if ring:
             # the ring's other slots, faulted in by the agent: mapped now, so the saves that lease them next
             # find their mappings ready; queued after this lease, so the next save does not wait for them
@@ -784,9 +786,10 @@ class Checkpointer:
         self._lease_ahead(total)
 
     def _lease_ahead(self, nbytes: int) -> None:
-        """Start leasing (and mapping) the slot of the next save of ``nbytes`` bytes in the background."""
+        """Start leasing (and mapping) the slot of the next save of ``nbytes`` bytes in the background (the
+        first save after a restore or a fresh start: the ring's other slots wait for its own lease)."""
         if self._prelease_fut is None and not self._closed:
-            self._prelease_fut = self._leaser.submit(self._prelease, nbytes)
+            self._prelease_fut = self._leaser.submit(self._prelease, nbytes, False)
 
     def _take_prelease(self, nbytes: int, wait: bool = True) -> str | None:
         """The slot leased ahead, resized to ``nbytes`` when that is close, or None. ``wait``: for the lease

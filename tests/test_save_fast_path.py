@@ -265,10 +265,10 @@ def _gated_lease(ck, gate: threading.Event) -> threading.Event:
     lease = ck._prelease
     went_on = threading.Event()
 
-    def held(nbytes: int) -> None:
+    def held(nbytes: int, ring: bool = True) -> None:
         gate.wait(120)
         went_on.set()
-        lease(nbytes)
+        lease(nbytes, ring)
 
     ck._prelease = held
     return went_on
