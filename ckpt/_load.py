@@ -565,22 +565,28 @@ class ShardLoader:
         self._spilled(plan, by_name, flat, next((b for leaf, b in raw if leaf is None), None))
 
         def apply() -> None:
-            # tensors not read in place (other devices, strided ones) get their verified bytes, per device type
-            by_device: dict[str, list] = {}
-            for _, _, staged in pieces:
-                if staged is not None:
-                    by_device.setdefault(staged[0].device.type, []).append(staged)
-            for device_type, pairs in by_device.items():
-                self.device(device_type).restore(pairs)
-            with torch.no_grad():
-                for leaf in flat.leaves:
-                    if leaf.tensor is None:
-                        self._fill(leaf, by_name[leaf.name], None, got_raw.get(id(leaf), b""))
-            for run in flat.appliers:
-                run()
+            self._finish_pieces(pieces, flat, by_name, got_raw)
 
         report = ShardReport(self.rank, tier.name, info.size, time.perf_counter() - t0, source=source_name(tier))
         return Prepared([report], apply, pieces.clear)
+
+    def _finish_pieces(self, pieces: list[tuple[int, memoryview, Any]], flat: Flat, by_name: dict,
+                       raw: dict[int, bytes]) -> None:
+        """Apply a shard read in place: tensors not read in place (other devices, strided ones) get their
+        verified bytes through their device's adapter, values are set (``raw``: bytes values by leaf id), then
+        the containers' state dicts are loaded."""
+        by_device: dict[str, list] = {}
+        for _, _, staged in pieces:
+            if staged is not None:
+                by_device.setdefault(staged[0].device.type, []).append(staged)
+        for device_type, pairs in by_device.items():
+            self.device(device_type).restore(pairs)
+        with torch.no_grad():
+            for leaf in flat.leaves:
+                if leaf.tensor is None:
+                    self._fill(leaf, by_name[leaf.name], None, raw.get(id(leaf), b""))
+        for run in flat.appliers:
+            run()
 
     def _targets(self, plan: RestorePlan, state: dict, info: Any) -> tuple[dict, Flat, dict[int, tuple]]:
         """:meth:`_target`, each leaf checked against its entry, and what the shard's bytes fill:
@@ -699,18 +705,7 @@ class ShardLoader:
                 raise ShardUnavailableError(
                     f"{path} changed while rank {self.rank}'s state was read from it (after it was verified): "
                     "the state's CPU tensors may hold some of the new bytes; restore again")
-            by_device: dict[str, list] = {}
-            for _, _, staged in pieces:
-                if staged is not None:
-                    by_device.setdefault(staged[0].device.type, []).append(staged)
-            for device_type, pairs in by_device.items():
-                self.device(device_type).restore(pairs)
-            with torch.no_grad():
-                for leaf in flat.leaves:
-                    if leaf.tensor is None:
-                        self._fill(leaf, by_name[leaf.name], None, raw.get(id(leaf), b""))
-            for run in flat.appliers:
-                run()
+            self._finish_pieces(pieces, flat, by_name, raw)
 
         closed = False
 
