@@ -24,6 +24,7 @@ from hypothesis import strategies as st
 
 import ckpt
 from ckpt.cli import main as cli_main
+from recovery.fetch import ShardUnavailableError
 from recovery.planner import RestoreError, StepNotFoundError
 from tiers import keys
 from tiers.layout import Layout
@@ -485,6 +486,32 @@ def test_a_restore_from_local_files_never_copies_the_state_to_put_it_back(tmp_pa
             assert ck.last_restore.tiers == ["disk" if damaged else "memory"]
             assert _same(_snapshot(state), saved[1])
     assert taken == []
+
+
+def test_a_shard_rewritten_between_its_check_and_its_copy_fails_the_restore(tmp_path):
+    """A local shard is verified, then copied into the tensors at finish. A shard whose file is written in
+    between (no agent does so to a committed step) must not be loaded as if verified: finish raises."""
+    from recovery import plan_restore, scan_tiers
+
+    with _saved(tmp_path, steps=(1,)) as (ck, saved):
+        memory = _tiers(ck)["memory"]
+        plan = plan_restore(scan_tiers([memory], JOB), JOB, 1)
+        state = _state(7)
+        prepared = ck._loader.prepare(plan, state)
+        before = _snapshot(state)
+        assert _same(before, _snapshot(_state(7)))  # prepared: verified, nothing written yet
+        path = memory.local_file(keys.shard_key(JOB, 1, 0))
+        with open(path, "r+b") as f:  # the same inode, other bytes
+            first = f.read(1)
+            f.seek(0)
+            f.write(bytes([first[0] ^ 1]))
+        with pytest.raises(ShardUnavailableError, match="changed while"):
+            prepared.finish()
+        # and an unchanged file loads the step, bit-exact
+        with open(path, "r+b") as f:
+            f.write(first)
+        state = _state(7)
+        assert ck.restore(state) == 1 and _same(_snapshot(state), saved[1])
 
 
 # ---------------------------------------------------------------- misaligned offsets, absurd shapes
