@@ -6,6 +6,7 @@ Real trainer processes (tests/trainer.py), real agents (embedded and ``ckpt agen
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -221,3 +222,46 @@ def test_two_live_runs_of_one_job_on_one_node_are_refused_naming_the_other(tmp_p
             kill9(first)
         agent.terminate()
         agent.wait(60)
+
+
+LIGHTNING = os.path.join(os.path.dirname(os.path.abspath(__file__)), "lightning_trainer.py")
+
+
+def _lightning(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, LIGHTNING, *args], capture_output=True, text=True, env=env(),
+                          timeout=300)
+
+
+def _events(path) -> list[dict]:
+    with open(path) as f:
+        return [json.loads(ln) for ln in f if ln.strip()]
+
+
+def test_a_lightning_run_crashing_through_its_own_exception_path_restarts_from_memory_bit_exact(tmp_path):
+    """PyTorch Lightning's Trainer.fit, a callback saving every step: an exception raised in training reaches
+    Lightning's ``_call_and_handle_interrupt``, whose ``except BaseException`` calls the callback's
+    ``on_exception`` (closing the Checkpointer) before it tears down and re-raises. The agent keeps the memory
+    tier; the restarted fit restores from memory and trains on with the same losses and weights, bit for bit,
+    as a run that never crashed."""
+    shm, disk = str(tmp_path / "shm"), str(tmp_path / "disk")
+    common = ["--shm", shm, "--disk", disk, "--steps", "6"]
+    try:
+        ref = _lightning("--job", "lref", "--out", str(tmp_path / "ref"), *common)
+        assert ref.returncode == 0, ref.stderr[-3000:]
+        crashed = _lightning("--job", "lit", "--out", str(tmp_path / "run"), "--raise-at", "3", *common)
+        assert crashed.returncode != 0 and "CUDA out of memory (raised by the test)" in crashed.stderr
+        assert "_call_and_handle_interrupt" in crashed.stderr  # Lightning's own exception path carried it
+        said = [ln for ln in crashed.stderr.splitlines() if "did not end cleanly" in ln]
+        assert len(said) == 1 and "keeps steps 2, 3" in said[0] and "freed" not in crashed.stderr, said
+        again = _lightning("--job", "lit", "--out", str(tmp_path / "run"), *common)
+        assert again.returncode == 0, again.stderr[-3000:]
+        events, expected = _events(tmp_path / "run"), _events(tmp_path / "ref")
+        restored = [e for e in events if "restored" in e]
+        assert restored == [{"restored": 3, "tiers": ["memory"]}]
+        # steps 0-3 of the run that crashed, then 4-5 after the restore: the uninterrupted run's losses
+        assert [e for e in events if "step" in e] == expected
+        ref_state = torch.load(str(tmp_path / "ref.pt"), weights_only=True)
+        state = torch.load(str(tmp_path / "run.pt"), weights_only=True)
+        assert ref_state.keys() == state.keys() and all(torch.equal(ref_state[k], state[k]) for k in state)
+    finally:
+        _stop_embedded(shm)
