@@ -106,6 +106,11 @@ class Restorer:
     and disks). ``agree(value)``: the smallest of every rank's ``value``, a collective (the identity with one
     rank). ``costs(invs)``: the node's cost model and the file to save what it learns to (None: not kept).
     ``before_read(step)``: called before each read of a step (the caller's agent drops the steps after it).
+    ``replicas``: a shard counts as reachable when its rank can be restored from the job's own replicas (for a
+    loader that reads such plans, :attr:`~recovery.planner.RestorePlan.replicas`).
+
+    After :meth:`restore` or :meth:`agree_step`, ``invs`` holds the places listed and ``far_unlisted`` says
+    whether the far tier is there and was not listed.
     """
 
     def __init__(self, job: str, rank: int = 0, world: int = 1, *,
@@ -115,21 +120,46 @@ class Restorer:
                  others: Callable[[Manifest, list[int] | None], list[Tier]] = lambda _m, _ranks: [],
                  agree: Callable[[int], int] = _identity,
                  costs: Callable[[list[TierInventory]], tuple[CostModel, str | None]] = _no_costs,
-                 before_read: Callable[[int], None] = lambda _step: None) -> None:
-        self.job, self.rank, self.world = job, rank, world
+                 before_read: Callable[[int], None] = lambda _step: None, replicas: bool = True) -> None:
+        self.job, self.rank, self.world, self.replicas = job, rank, world, replicas
         self._near, self._far, self._far_may_be_newer = near, far, far_may_be_newer
         self._others, self._agree, self._costs, self._before_read = others, agree, costs, before_read
         self.invs: list[TierInventory] = []
-        self._far_left = False  # S3 is there and not listed yet
+        self.far_unlisted = False
 
     # ------------------------------------------------------------------ places
     def _steps(self) -> list[int]:
-        return complete_steps(self.invs, self.job, [self.rank], replicas=True)
+        return complete_steps(self.invs, self.job, [self.rank], replicas=self.replicas)
 
     def _add_far(self) -> list[int]:
-        self._far_left = False
+        self.far_unlisted = False
         self.invs = self.invs + self._far()
         return self._steps()
+
+    def _list(self, step: int | None, newer: bool) -> list[int]:
+        """List the near tiers, then the far one when ``step`` is not near or (with ``newer``) the far one may
+        hold a step newer than the newest near; return the steps complete for this rank, ascending."""
+        # memory, peers and disk first; S3 (a client to create, a prefix to list) only when it may matter
+        self.invs = self._near()
+        steps = self._steps()
+        self.far_unlisted = self._far is not None
+        if self.far_unlisted and ((step is not None and step not in steps)
+                                  or (newer and self._far_may_be_newer(steps[-1] if steps else -1))):
+            steps = self._add_far()
+        return steps
+
+    # ------------------------------------------------------------------ step
+    def agree_step(self, step: int | None = None) -> int:
+        """The step the ranks agree on without reading it: ``step`` when every rank holds it complete, else
+        the newest step every rank holds complete; -1 when there is none (or some rank lacks ``step``).
+
+        For a reader that plans and reads the step itself (DCP's): no fallback, no error; the far tier is
+        listed for a newer step only when no ``step`` is given. A collective when ``world > 1``.
+        """
+        steps = self._list(step, newer=step is None)
+        if step is not None:
+            return self._agree(step if step in steps else -1)
+        return self._agree(steps[-1] if steps else -1)
 
     # ------------------------------------------------------------------ restore
     def restore(self, loader: StepLoader, step: int | None = None) -> Restored | None:
@@ -141,13 +171,7 @@ class Restorer:
         a committed step cannot be restored intact from any tier or a tier that may hold one is unreachable;
         whatever else ``loader`` raises comes as it is. Nothing is applied when it raises.
         """
-        # memory, peers and disk first; S3 (a client to create, a prefix to list) only when it may matter
-        self.invs = self._near()
-        steps = self._steps()
-        self._far_left = self._far is not None
-        if self._far_left and ((step is not None and step not in steps)
-                               or self._far_may_be_newer(steps[-1] if steps else -1)):
-            steps = self._add_far()
+        steps = self._list(step, newer=True)
         if step is not None:
             keys.check_step(step)
         failed: dict[int, str] = {}  # step -> why it could not be restored intact
@@ -161,14 +185,14 @@ class Restorer:
                 if step is None:
                     mine = usable[-1] if usable else -1
                 else:
-                    if step not in usable and self._far_left:
+                    if step not in usable and self.far_unlisted:
                         steps = self._add_far()
                         continue
                     # a rank that cannot reach the step says so in the agreement: every rank raises, none waits on it
                     mine = step if step in usable else _CANNOT
                 agreed = self._agree(mine)
                 cannot = None
-                if agreed != mine and agreed >= 0 and agreed not in usable and self._far_left:
+                if agreed != mine and agreed >= 0 and agreed not in usable and self.far_unlisted:
                     steps = self._add_far()  # another rank can reach only an older step: S3 may hold it for this one
                     usable = [s for s in steps if s not in failed]
                 if agreed != mine and agreed >= 0 and agreed not in usable:
@@ -180,8 +204,8 @@ class Restorer:
                     raise StepNotFoundError(f"step {step} of job {self.job!r} cannot be restored: another rank cannot "
                                             "reach it (its error says why); nothing was restored")
                 if agreed < 0:
-                    if self._far_left and self.world == 1 and (failed or committed_steps(self.invs, self.job)
-                                                               or unreachable(self.invs)):
+                    if self.far_unlisted and self.world == 1 and (failed or committed_steps(self.invs, self.job)
+                                                                  or unreachable(self.invs)):
                         steps = self._add_far()  # something was committed near but is not restorable: S3 may hold it
                         continue
                     # a fresh start only if no rank found a trace: every rank raises otherwise
@@ -221,13 +245,13 @@ class Restorer:
                 # whether any rank has somewhere else to look for this step: then every rank tries it again, or a rank
                 # that has already looked everywhere (S3 too) would pass it over for an older one while the others
                 # found it complete (a collective: every rank's step failed on some rank, so every rank comes here)
-                elsewhere = bool(-self._agree(-int(other or (self._far_left and not local_ok))))
+                elsewhere = bool(-self._agree(-int(other or (self.far_unlisted and not local_ok))))
                 if other:
                     # another tier holds a different manifest of the step (another save of it): try that one
                     log.warning("step %d of %s could not be restored with the manifest from the cheapest tier "
                                 "(%s): trying another tier's", agreed, self.job, why)
                     continue
-                if self._far_left and not local_ok:
+                if self.far_unlisted and not local_ok:
                     log.warning("step %d of %s could not be restored from memory, peers or disk (%s): trying S3",
                                 agreed, self.job, why)
                     skip.clear()  # S3 may hold intact shards of the very manifests that failed
@@ -255,7 +279,7 @@ class Restorer:
         costs, costs_file = self._costs(self.invs)
         # this rank's own shard, or (when only disk or S3 hold it, or nothing does) its unique part and the
         # shards of the data-parallel replicas that hold the rest, from memory
-        plan = plan_restore(self.invs, self.job, step, [self.rank], costs=costs, skip=skip, replicas=True)
+        plan = plan_restore(self.invs, self.job, step, [self.rank], costs=costs, skip=skip, replicas=self.replicas)
         # another world size, or the shared tier's manifest of a step whose ranks held copies of each other's
         # chunks (each chunk is in the shard of the rank that wrote it): every chunk from whichever shard has it
         if plan.manifest.world != self.world or "durable_of" in plan.manifest.metadata:

@@ -182,3 +182,24 @@ def test_each_read_is_learned_and_the_step_rewound_before_it(tmp_path):
                     before_read=rewound.append).restore(_Loader())
     assert done.step == 3 and rewound == [3]
     assert os.path.exists(path) and model.sources
+
+
+def test_agree_step_gives_the_newest_step_every_rank_holds_and_lists_s3_for_a_newer_one_only_unasked(tmp_path):
+    mem, far = MemoryTier(tmp_path / "mem"), DiskTier(tmp_path / "s3")
+    commit_steps(mem, JOB, [1, 2], world=1)
+    commit_steps(far, JOB, [3], world=1)
+    listed: list[int] = []
+
+    def far_scan():
+        listed.append(1)
+        return scan_tiers([far], JOB)
+
+    def chooser(agree=lambda v: v):
+        return Restorer(JOB, near=_near(mem), far=far_scan, far_may_be_newer=lambda newest: newest < 3,
+                        agree=agree, replicas=False)
+
+    assert chooser().agree_step(2) == 2 and listed == []  # asked for a step near: no newer one looked for
+    r = chooser()
+    assert r.agree_step() == 3 and listed == [1] and not r.far_unlisted
+    assert chooser(agree=lambda v: min(v, 1)).agree_step() == 1  # another rank holds only step 1
+    assert chooser().agree_step(7) == -1
