@@ -52,7 +52,8 @@ from torch.distributed.checkpoint.storage import WriteResult
 from agents.protocol import AgentError
 from recovery import RestorePlan, node_costs, plan_restore, scan_tiers
 from recovery.fetch import ShardUnavailableError
-from recovery.planner import RestoreError, StepNotFoundError, complete_steps, describe_step
+from recovery.planner import RestoreError, StepNotFoundError, describe_step
+from recovery.restorer import Restorer
 from tiers import keys
 from tiers.layout import Layout
 from tiers.manifest import BYTES_DTYPE, TensorChunk
@@ -639,45 +640,32 @@ class DcpReader(StorageReader):
         """The newest step complete in the tiers every rank reaches (the ranks agree: a collective under
         torch.distributed), or None when there is none: what a resuming job passes to ``dcp.load`` as
         ``checkpoint_id``."""
-        _, steps, _ = self._listing(None)
-        agreed = self._agree(steps[-1] if steps else -1)
+        agreed = self._restorer().agree_step(None)
         return None if agreed < 0 else agreed
 
-    def _listing(self, step: int | None) -> tuple[list, list[int], bool]:
-        """(inventories, complete steps, whether S3 is still unlisted): memory, peers and disk, then S3 when
-        ``step`` is not there or S3 may hold a newer one."""
+    def _restorer(self) -> Restorer:
+        """What chooses the step and agrees on it with the other ranks (:meth:`Restorer.agree_step`; this reader
+        plans and reads it itself): memory, peers and disk, then S3 when the step is not there or (no step
+        given) S3 may hold a newer one. A step counts when this rank's own shard is complete, as
+        Checkpointer.restore counts: the shards of other nodes' ranks that DCP may also need are looked for
+        when the step is planned (other nodes' memory, then S3)."""
+        from .checkpointer import _min_over_ranks
+
         ck = self.ck
-        # complete for this rank's own shard, as Checkpointer.restore counts: the shards of other nodes' ranks that
-        # DCP may also need are looked for when the step is planned (other nodes' memory, then S3)
-        mine = [ck.rank]
-        invs = scan_tiers(ck._near_tiers(), self.job)
-        steps = complete_steps(invs, self.job, mine)
-        far = ck.settings.s3 is not None
-        if far and ((step is not None and step not in steps)
-                    or (step is None and ck._far_may_be_newer(steps[-1] if steps else -1))):
-            invs = invs + scan_tiers(ck._far_tiers(), self.job)
-            steps = complete_steps(invs, self.job, mine)
-            far = False
-        return invs, steps, far
-
-    def _agree(self, mine: int) -> int:
-        if self.ck.world > 1 and dist.is_initialized():
-            from .checkpointer import _min_over_ranks
-
-            return _min_over_ranks(mine)
-        return mine
+        return Restorer(self.job, ck.rank, ck.world, near=lambda: scan_tiers(ck._near_tiers(), self.job),
+                        far=(lambda: scan_tiers(ck._far_tiers(), self.job)) if ck.settings.s3 is not None else None,
+                        far_may_be_newer=ck._far_may_be_newer,
+                        agree=_min_over_ranks if ck.world > 1 and dist.is_initialized() else (lambda v: v),
+                        replicas=False)
 
     def _resolve(self) -> None:
         """Agree on the step, plan where each shard is read from, and rewind the job to it."""
         from ._reader import PlanReader
 
         ck = self.ck
-        invs, steps, far = self._listing(self.step)
-        if self.step is not None:
-            mine = self.step if self.step in steps else -1
-        else:
-            mine = steps[-1] if steps else -1
-        agreed = self._agree(mine)
+        chooser = self._restorer()
+        agreed = chooser.agree_step(self.step)
+        invs = chooser.invs
         if agreed < 0 or (self.step is not None and agreed != self.step):
             if self.step is not None:
                 raise StepNotFoundError(f"step {self.step} of job {self.job!r} is not complete in any tier every "
@@ -686,7 +674,7 @@ class DcpReader(StorageReader):
             raise StepNotFoundError(f"job {self.job!r} has no step complete in any tier every rank reaches; "
                                     f"`ckpt list {self.job}` shows the steps")
         costs, _ = node_costs(ck.settings.shm, invs)
-        plan = self._plan(invs, agreed, costs, far)
+        plan = self._plan(invs, agreed, costs, chooser.far_unlisted)
         if self.rewind:
             try:
                 ck._client.call("rewind", job=self.job, step=agreed, run=ck._run)

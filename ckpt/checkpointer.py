@@ -61,15 +61,14 @@ from agents.launch import connect_or_spawn, wait_stopped
 from agents.replication import placement_partners
 from agents.protocol import AgentClient, AgentError, AgentUnreachableError
 from agents.tierset import disk_tier, memory_tier, peer_disk_tiers, peer_tiers, s3_tier
-from recovery import ShardReport, node_costs, plan_restore, replica_nodes, scan_tiers, view_ranks
-from recovery.fetch import ShardUnavailableError
+from recovery import RestorePlan, ShardReport, node_costs, replica_nodes, scan_tiers
 from recovery.inventory import TierInventory
-from recovery.planner import (RestoreError, StepNotFoundError, committed_steps, describe_step, manifest_for,
-                              unreachable)
+from recovery.planner import RestoreError
+from recovery.restorer import Restorer
 from tiers import keys
 from tiers.base import Tier
-from tiers.errors import ManifestError, TierError
 from tiers.layout import Layout
+from tiers.manifest import Manifest
 
 from ._devices import DeviceAdapter, Item, make_adapter
 from . import _guard
@@ -85,19 +84,6 @@ log = logging.getLogger("tierckpt")
 
 class CheckpointError(RuntimeError):
     """A save failed in the background (staging, the agent, or writing to a tier)."""
-
-
-_CANNOT = -2  # restore(step=...): this rank cannot reach the step (below -1, no step at all)
-
-
-@contextlib.contextmanager
-def _released(pending: dict):
-    """Release every :class:`Prepared` left in ``pending`` (values ``(Prepared, ...)``) when the block ends."""
-    try:
-        yield
-    finally:
-        for prepared, *_ in pending.values():
-            prepared.release()
 
 
 def _min_over_ranks(value: int) -> int:
@@ -189,6 +175,23 @@ class RestoreReport:
     @property
     def tiers(self) -> list[str]:
         return [s.tier for s in self.shards]
+
+
+@dataclass
+class _StateLoader:
+    """The :class:`recovery.restorer.StepLoader` of one restore: ``loader`` reads into ``state``, calling
+    ``before_write()`` before the first read that lands in CPU tensors before its bytes are verified."""
+
+    loader: ShardLoader
+    state: dict
+    world: int
+    before_write: Callable[[], None] | None
+
+    def prepare(self, plan: RestorePlan) -> Prepared:
+        return self.loader.prepare(plan, self.state, self.before_write)
+
+    def prepare_resharded(self, plan: RestorePlan) -> Prepared:
+        return self.loader.prepare_resharded(plan, self.state, self.world, self.before_write)
 
 
 #: a leased slot whose size differs from the save's by at most this many bytes is resized to fit
@@ -1092,227 +1095,57 @@ class Checkpointer:
         """
         t0 = time.perf_counter()
         self._await_prefetch()
-        from recovery.planner import complete_steps
-
-        # memory, peers and disk first; S3 (a client to create, a prefix to list) only when it may matter
-        invs = self._scan_near()
-        steps = complete_steps(invs, self.job, [self.rank], replicas=True)
-        far = self.settings.s3 is not None
-
-        def add_far() -> list[int]:
-            nonlocal invs, far
-            far = False
-            invs = invs + scan_tiers(self._far_tiers(), self.job)
-            return complete_steps(invs, self.job, [self.rank], replicas=True)
-
-        if far and ((step is not None and step not in steps)
-                    or self._far_may_be_newer(steps[-1] if steps else -1)):
-            steps = add_far()
-        if step is not None:
-            keys.check_step(step)
-        failed: dict[int, str] = {}  # step -> why it could not be restored intact
-        skipped: dict[int, set[str]] = {}  # step -> checksums of the manifests it failed with
-        # step -> (Prepared, manifest) where this rank read it intact but another rank did not: kept unapplied
-        # while the others look again
-        restored: dict[int, tuple] = {}
         # the CPU tensors a read fills in place, copied before the first read and put back if no step is
         # restored in the end (every other write waits for Prepared.finish, which only a step prepared on every
         # rank gets)
-        with kept(state, take=False) as before, _released(restored):
-            while True:
-                usable = [s for s in steps if s not in failed]
-                if step is None:
-                    mine = usable[-1] if usable else -1
-                else:
-                    if step not in usable and far:
-                        steps = add_far()
-                        continue
-                    # a rank that cannot reach the step says so in the agreement: every rank raises, none waits on it
-                    mine = step if step in usable else _CANNOT
-                agreed = mine
-                cannot = None
-                if self.world > 1:
-                    agreed = _min_over_ranks(mine)
-                    if agreed != mine and agreed >= 0 and agreed not in usable and far:
-                        steps = add_far()  # another rank can reach only an older step: S3 may hold it for this one
-                        usable = [s for s in steps if s not in failed]
-                    if agreed != mine and agreed >= 0 and agreed not in usable:
-                        # a failure of this rank's, taken through the same collectives as a failed read
-                        cannot = f"rank {self.rank} cannot reach step {agreed}, the newest the other ranks can"
-                if agreed == _CANNOT:
-                    if mine == _CANNOT:
-                        self._raise_not_restorable(invs, step, failed)
-                    raise StepNotFoundError(f"step {step} of job {self.job!r} cannot be restored: another rank cannot "
-                                            "reach it (its error says why); nothing was restored")
-                if agreed < 0:
-                    if far and self.world == 1 and (failed or committed_steps(invs, self.job) or unreachable(invs)):
-                        steps = add_far()  # something was committed near but is not restorable: S3 may hold it
-                        continue
-                    fresh = self._fresh(invs, failed)
-                    if self.world > 1:  # a fresh start only if no rank found a trace: every rank raises otherwise
-                        if fresh and not _min_over_ranks(int(fresh)):
-                            raise RestoreError(f"job {self.job!r}: another rank found a committed step it could not "
-                                               "restore (its error says which); nothing was started fresh")
-                    self._raise_not_restorable(invs, None, failed)
-                    self._lease_for(state)  # a fresh start: the first save's slot is faulted in meanwhile
-                    forget_initialized(before.uninitialized)  # its first step starts as it would without us
-                    return None
-                skip = skipped.setdefault(agreed, set())
-                if agreed in restored:  # this rank read it already; another rank looked again elsewhere
-                    prepared, used = restored[agreed]
-                    why = None
-                elif cannot is not None:
-                    used, why = None, cannot
-                else:
-                    used = manifest_for(invs, self.job, agreed, skip)
-                    try:
-                        prepared = self._restore_step(invs, agreed, state, skip, before.take if keep_state else None)
-                        why = None
-                    except (ShardUnavailableError, StepNotFoundError, ManifestError, TierError) as e:
-                        why = str(e)
-                ok = local_ok = why is None
-                if self.world > 1:  # a collective every rank takes, its own restore failed or not
-                    if not _min_over_ranks(int(ok)) and ok:
-                        ok, why = False, "another rank could not restore it"
-                if ok:
-                    restored.pop(agreed, None)
-                    prepared.finish()  # every rank holds the step verified: now it is applied
-                    break
-                other = False
-                if local_ok:
-                    restored[agreed] = (prepared, used)
-                elif used is not None:
-                    skip.add(used.checksum)
-                    other = manifest_for(invs, self.job, agreed, skip) is not None
-                # whether any rank has somewhere else to look for this step: then every rank tries it again, or a rank
-                # that has already looked everywhere (S3 too) would pass it over for an older one while the others
-                # found it complete (a collective: every rank's step failed on some rank, so every rank comes here)
-                elsewhere = other or (far and not local_ok)
-                if self.world > 1:
-                    elsewhere = bool(-_min_over_ranks(-int(elsewhere)))
-                if other:
-                    # another tier holds a different manifest of the step (another save of it): try that one
-                    log.warning("step %d of %s could not be restored with the manifest from the cheapest tier "
-                                "(%s): trying another tier's", agreed, self.job, why)
-                    continue
-                if far and not local_ok:
-                    log.warning("step %d of %s could not be restored from memory, peers or disk (%s): trying S3",
-                                agreed, self.job, why)
-                    skip.clear()  # S3 may hold intact shards of the very manifests that failed
-                    steps = add_far()
-                    continue
-                if elsewhere:
-                    log.info("step %d of %s: another rank looks for it in another tier; waiting for it", agreed,
-                             self.job)
-                    continue
-                failed[agreed] = why
-                if agreed in restored:
-                    restored.pop(agreed)[0].release()
-                log.warning("step %d of %s could not be restored intact from any tier: %s", agreed, self.job, why)
-                if step is not None:
-                    self._raise_not_restorable(invs, step, failed)
-        passed_over = {s: failed.get(s) or f"not restorable: {describe_step(invs, self.job, s)}"
-                       for s in sorted(committed_steps(invs, self.job) | set(failed)) if s > agreed}
-        if passed_over and step is None:
-            log.warning("restoring step %d of %s although newer step(s) %s were committed: %s", agreed, self.job,
-                        ", ".join(map(str, passed_over)), "; ".join(f"{s}: {w}" for s, w in passed_over.items()))
-        down = unreachable(invs)
-        if down:
-            log.warning("restored step %d of %s without looking in tier(s) that could not be reached, which may "
-                        "hold a newer step: %s", agreed, self.job, "; ".join(down))
-        reports = prepared.reports
-        self.last_restore = RestoreReport(agreed, reports, time.perf_counter() - t0, passed_over, down)
-        if used is not None and used.world == self.world and "durable_of" not in used.metadata:
-            # the next save stages as many bytes as this shard holds: its slot is leased and faulted in now
-            # (a shared tier's view names each rank's durable part, not its whole shard: no size to lease)
-            self._lease_ahead(used.shard(self.rank).size)
-        log.info("rank %d restored %s step %d from %s in %.3f s", self.rank, self.job, agreed,
-                 ", ".join(sorted({r.tier for r in reports})) or "nowhere", self.last_restore.seconds)
-        return agreed
+        with kept(state, take=False) as before:
+            loader = _StateLoader(self._loader, state, self.world, before.take if keep_state else None)
+            done = self._restorer().restore(loader, step)
+            if done is None:
+                self._lease_for(state)  # a fresh start: the first save's slot is faulted in meanwhile
+                forget_initialized(before.uninitialized)  # its first step starts as it would without us
+                return None
+            self.last_restore = RestoreReport(done.step, done.shards, time.perf_counter() - t0, done.passed_over,
+                                              done.unreachable)
+            used = done.manifest
+            if used is not None and used.world == self.world and "durable_of" not in used.metadata:
+                # the next save stages as many bytes as this shard holds: its slot is leased and faulted in now
+                # (a shared tier's view names each rank's durable part, not its whole shard: no size to lease)
+                self._lease_ahead(used.shard(self.rank).size)
+            log.info("rank %d restored %s step %d from %s in %.3f s", self.rank, self.job, done.step,
+                     ", ".join(sorted({r.tier for r in done.shards})) or "nowhere", self.last_restore.seconds)
+            return done.step
 
-    def _fresh(self, invs: list[TierInventory], failed: dict[int, str]) -> bool:
-        """Whether this is a fresh start: every tier listed, and no step committed (a manifest present, valid or
-        not) in any of them. Shards without a manifest anywhere are a save cut short before it committed."""
-        return not failed and not unreachable(invs) and not committed_steps(invs, self.job)
+    def _restorer(self) -> Restorer:
+        """The restore engine for this rank: the tiers it lists, the agreement between ranks, the learned
+        costs and the agent's rewind, for :meth:`restore`."""
+        return Restorer(self.job, self.rank, self.world, near=self._scan_near,
+                        far=(lambda: scan_tiers(self._far_tiers(), self.job)) if self.settings.s3 is not None
+                        else None,
+                        far_may_be_newer=self._far_may_be_newer, others=self._other_places,
+                        agree=_min_over_ranks if self.world > 1 else (lambda v: v),
+                        costs=lambda invs: node_costs(self.settings.shm, invs), before_read=self._rewind)
 
-    def _raise_not_restorable(self, invs: list[TierInventory], step: int | None, failed: dict[int, str]) -> None:
-        """Raise the error that says why nothing (or not ``step``) could be restored; return when this is a
-        fresh start (:meth:`_fresh`)."""
-        down = unreachable(invs)
-        committed = committed_steps(invs, self.job)
-        if step is None and self._fresh(invs, failed):
-            return
-        want = step if step is not None else max(committed | set(failed), default=None)
-        if want is None:
-            raise RestoreError(
-                f"job {self.job!r}: no step could be looked for in every tier ({'; '.join(down)}); a step may be "
-                "there: make the tier reachable and restore again (nothing was started fresh)")
-        if step is not None and want not in committed and want not in failed and not down:
-            raise StepNotFoundError(
-                f"step {step} of job {self.job!r} is not complete in any tier "
-                f"({describe_step(invs, self.job, step)}); `ckpt list {self.job}` shows the steps")
-        why = failed.get(want) or "no tier holds it complete and intact"
-        raise RestoreError(" ".join(
-            f"step {want} of job {self.job!r} could not be restored intact ({why}); tried: "
-            f"{describe_step(invs, self.job, want)}. `ckpt verify {self.job} --step {want}` shows what is "
-            "damaged; make an unreachable tier reachable, or pass an older step to restore(step=...)".split()))
-
-    def _restore_step(self, invs: list[TierInventory], agreed: int, state: dict, skip: set[str],
-                      before_write: Callable[[], None] | None = None) -> Prepared:
-        """Plan (passing over the manifests in ``skip``) and prepare ``agreed`` for ``state``: read and verified,
-        applied by the caller (``Prepared.finish``). CPU tensors a read fills before its bytes are verified (a
-        peer's, a resharded step's) are written already, after ``before_write()``: the caller's :func:`kept`
-        puts them back if no step is restored in the end."""
-        # saves after this restore retake the step numbers after ``agreed``: the agent drops what the
-        # failed run left of them, so they are not refused as already committed
+    def _rewind(self, step: int) -> None:
+        """Have the agent drop what a failed run left after ``step``: saves after this restore retake those
+        step numbers, so they are not refused as already committed."""
         try:
-            self._client.call("rewind", job=self.job, step=agreed, run=self._run)
+            self._client.call("rewind", job=self.job, step=step, run=self._run)
         except AgentError as e:
-            log.warning("the agent could not drop steps after %d: %s", agreed, e)
-        costs, costs_file = node_costs(self.settings.shm, invs)
-        # this rank's own shard, or (when only disk or S3 hold it, or nothing does) its unique part and the
-        # shards of the data-parallel replicas that hold the rest, from memory
-        plan = plan_restore(invs, self.job, agreed, [self.rank], costs=costs, skip=skip, replicas=True)
-        # another world size, or the shared tier's manifest of a step whose ranks held copies of each other's
-        # chunks (each chunk is in the shard of the rank that wrote it): every chunk from whichever shard has it
-        if plan.manifest.world != self.world or "durable_of" in plan.manifest.metadata:
-            # the same world through a shared tier's view: this rank's part and those of the ranks that wrote
-            # its replicated chunks are all it reads (ShardInfo.unique names them); another world: every rank's
-            needed = view_ranks(plan.manifest, self.rank) if plan.manifest.world == self.world else None
-            try:
-                whole = plan_restore(invs, self.job, agreed, needed, costs=costs, skip=skip)
-            except StepNotFoundError:
-                # the other nodes' memory holds those shards before S3 does, and their disks hold the durable
-                # parts of their ranks (each chunk once across the job's disks): only the nodes of the ranks
-                # needed, when they are known
-                partners = placement_partners(self.settings)
-                nodes = None if needed is None else \
-                    {plan.manifest.shard(q).node for q in needed} - {self.settings.node_rank}
-                others = peer_tiers(self.settings, exclude=partners) if nodes is None else \
-                    peer_tiers(self.settings, only=nodes - partners)
-                if self.settings.disk:
-                    others += peer_disk_tiers(self.settings, only=nodes)
-                if not others:
-                    raise
-                whole = plan_restore(invs + scan_tiers(others, self.job), self.job, agreed, needed, costs=costs,
-                                     skip=skip)
-            prepared = self._loader.prepare_resharded(whole, state, self.world, before_write)
-        else:
-            prepared = self._loader.prepare(plan, state, before_write)
-        self._learn(costs, costs_file, prepared.reports)
-        return prepared
+            log.warning("the agent could not drop steps after %d: %s", step, e)
 
-    @staticmethod
-    def _learn(costs: Any, path: str | None, reports: list[ShardReport]) -> None:
-        """Feed this restore's transfers to the node's cost model, so the next restore orders sources by them."""
-        for r in reports:
-            if r.source and r.nbytes and r.tier != "replicas":  # several places at once: no one place's cost
-                costs.observe(r.source, r.nbytes, r.seconds, kind=r.tier)
-        if path is not None:
-            try:
-                costs.save(path)
-            except OSError as e:
-                log.warning("could not save the learned restore costs to %s: %s", path, e)
+    def _other_places(self, m: Manifest, needed: list[int] | None) -> list[Tier]:
+        """Where to look for the shards of ``needed`` (every rank if None) of ``m``'s step that the listed tiers
+        lack: the other nodes' memory holds those shards before S3 does, and their disks hold the durable
+        parts of their ranks (each chunk once across the job's disks); only the nodes of the ranks needed,
+        when they are known."""
+        partners = placement_partners(self.settings)
+        nodes = None if needed is None else {m.shard(q).node for q in needed} - {self.settings.node_rank}
+        others = peer_tiers(self.settings, exclude=partners) if nodes is None else \
+            peer_tiers(self.settings, only=nodes - partners)
+        if self.settings.disk:
+            others += peer_disk_tiers(self.settings, only=nodes)
+        return others
 
     def _await_prefetch(self) -> None:
         """Let a replacement node's agent finish pulling this node's shards from its peers (warm restore).

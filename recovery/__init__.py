@@ -20,6 +20,7 @@ from .planner import (
     replica_nodes,
     view_ranks,
 )
+from .restorer import Restored, Restorer
 
 __all__ = [
     "CostModel",
@@ -27,6 +28,8 @@ __all__ = [
     "OpenShard",
     "RestoreError",
     "RestorePlan",
+    "Restored",
+    "Restorer",
     "ShardReport",
     "ShardUnavailableError",
     "SourceCost",
