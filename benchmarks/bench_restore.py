@@ -63,6 +63,40 @@ def main() -> int:
     return 0
 
 
+def _plain_ranged_gets(endpoint: str, bucket: str, key: str, runs: int, part: int = 16 << 20,
+                       threads: int = 8) -> list[float]:
+    """Seconds to read ``key`` by parallel ranged ``get_object`` calls into one buffer, ``runs`` times."""
+    import concurrent.futures as cf
+
+    import boto3
+    from botocore.config import Config
+
+    client = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1",
+                          config=Config(max_pool_connections=threads))
+    size = client.head_object(Bucket=bucket, Key=key)["ContentLength"]
+    buf = memoryview(bytearray(size))
+
+    def one(lo: int) -> None:
+        hi = min(size, lo + part) - 1
+        body = client.get_object(Bucket=bucket, Key=key, Range=f"bytes={lo}-{hi}")["Body"]
+        at = lo
+        while at <= hi:
+            chunk = body.read(min(1 << 20, hi + 1 - at))
+            if not chunk:
+                raise OSError(f"{key} ended at {at}")
+            buf[at:at + len(chunk)] = chunk
+            at += len(chunk)
+
+    out = []
+    with cf.ThreadPoolExecutor(threads) as pool:
+        for run in range(runs + 1):
+            t0 = time.perf_counter()
+            list(pool.map(one, range(0, size, part)))
+            if run:
+                out.append(time.perf_counter() - t0)
+    return out
+
+
 def _mm(xs: list[float]) -> str:
     """``median / max`` seconds of ``xs``."""
     return f"{statistics.median(xs):.3f} / {max(xs):.3f}"
@@ -72,7 +106,7 @@ def run_size(size_gib: float, runs: int, chosen: list[str]) -> None:
     """Every table for one state size (see the module docstring)."""
     import ckpt
     from recovery import plan_restore, scan_tiers
-    from tiers import DiskTier, MemoryTier
+    from tiers import DiskTier, MemoryTier, keys
     from tiers.peer import PeerTier
     from tiers.wire import load_secret
     from tiers.s3 import S3Tier
@@ -155,6 +189,11 @@ def run_size(size_gib: float, runs: int, chosen: list[str]) -> None:
                         results[name].append(took)
         for a_, b_ in zip(ts.model.state_dict().values(), target_ts.model.state_dict().values()):
             assert torch.equal(a_, b_)
+        # bound for an S3 restore: the same shard's bytes by plain parallel ranged get_object calls through
+        # boto3 against the same endpoint, into one buffer (no checksum, no tensors)
+        s3_plain: list[float] = []
+        if "s3" in chosen:
+            s3_plain = _plain_ranged_gets(endpoint, "bench", f"c/{keys.shard_key('bench', 0, 0)}", runs)
 
         # recovery: from a restarted trainer's first call to the end of its first training step
         target_ts.set_batch(*ts.batch)
@@ -207,6 +246,10 @@ def run_size(size_gib: float, runs: int, chosen: list[str]) -> None:
                   "disk": f"{dcp_med / t:.2f}x DCP load's speed",
                   "s3": ""}[name]
             print(f"| tierckpt {name} | {_mm(results[name])} | {gbps:.2f} | {vs} |")
+        if s3_plain:
+            print(f"| plain ranged get_object, 8 threads (bound for S3) | {_mm(s3_plain)} | "
+                  f"{nbytes / statistics.median(s3_plain) / 1e9:.2f} | tierckpt S3 at "
+                  f"{statistics.median(s3_plain) / med['s3']:.2f}x its speed |")
         print("\nEach tierckpt row: read + verify every checksum + copy into the tensors + load the state dicts.")
         rmed = {k: statistics.median(v) for k, v in recovery.items()}
         print("\nRecovery, restart to first training step (connect + restore() + one step), "
