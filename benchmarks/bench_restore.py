@@ -31,12 +31,16 @@ import subprocess
 import sys
 import tempfile
 import time
+import warnings
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.dirname(HERE))
 
 import torch  # noqa: E402
+
+# DCP's baseline runs without a process group on purpose; its warning about that says nothing here
+warnings.filterwarnings("ignore", message="torch.distributed is disabled")
 
 from _common import build_state  # noqa: E402
 from bench_replication import cluster_files, launch_agent, raw_socket, start_agent  # noqa: E402

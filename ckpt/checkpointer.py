@@ -1059,39 +1059,17 @@ class Checkpointer:
     def restore(self, state: dict, step: int | None = None, *, keep_state: bool = True) -> int | None:
         """Load the newest complete step (or ``step``) into ``state`` in place; return it, or None on a fresh start.
 
-        Under torch.distributed every rank restores the same step: the newest
-        one all ranks can reach. Each shard comes from the cheapest tier that
-        holds it intact (checksums verified). A damaged copy (shard, layout or
-        manifest) in one tier falls back to every other tier that holds the
-        same step, S3 included, before an older step is tried; restoring an
-        older step while a newer one was committed somewhere is logged as a
-        warning and said in ``last_restore.passed_over``.
-
-        Returns None only when every tier could be listed and none holds a
-        committed step of the job (shards without a manifest anywhere are a
-        save cut short before it committed: nothing to restore). A failed
-        restore leaves ``state`` as it was. A shard in a local file (memory, an
-        uncompressed disk) is verified before anything is written and copied
-        into the tensors once every rank has verified the same step, so a step
-        one rank cannot restore changes nothing on the others; the same holds
-        for JSON values, modules and every read through a buffer. Only a read
-        that lands in CPU tensors before its bytes are verified (a peer's
-        ranged reads, a step resharded from another world size) first copies
-        the CPU tensors (host memory for one copy of them, held during the
-        restore) to put them back on any failure; with ``keep_state=False``
-        that copy is not made, and such a failed restore may leave CPU tensors
-        partly overwritten (for a caller that exits or re-initialises the state
-        when a restore fails).
-        Tensors on an accelerator are never copied: their bytes land only
-        once verified (in a restore at another world size DCP writes them as
-        it reads). An optimizer that has not stepped keeps its empty state
-        after a fresh start or a failed restore.
-
-        Raises StepNotFoundError for a ``step`` that is not complete,
-        RestoreError (a StepNotFoundError) when a committed step cannot be
-        restored intact from any tier or a tier that may hold one is
-        unreachable, StateMismatchError when ``state`` does not match the
-        checkpoint.
+        Every rank restores the same step, the newest all ranks can reach, each
+        shard from the cheapest tier that holds it intact; a damaged copy falls
+        back to every other tier before an older step is tried (said in
+        ``last_restore.passed_over``). None only when no tier holds a committed
+        step of the job. A failed restore leaves ``state`` as it was: bytes are
+        verified before they are written, and a read that cannot be (a peer's
+        ranged reads, a resharded step) first copies the CPU tensors, unless
+        ``keep_state=False``. Raises StepNotFoundError, RestoreError (a committed
+        step not restorable intact, or a tier that may hold one unreachable),
+        StateMismatchError. The README's "Using it in a training loop" has the
+        whole contract.
         """
         t0 = time.perf_counter()
         self._await_prefetch()

@@ -184,6 +184,42 @@ def test_parallel_ranged_download_matches_the_original(make_tier, s3_proxy):
     assert bytes(window) == data[PART - 7 : 3 * PART - 7]
 
 
+class _Replacing(S3Tier):
+    """An S3Tier whose first GET of a range past the start replaces the object (same size, other bytes)
+    before it is sent, as another writer would between two ranges of one read."""
+
+    def __init__(self, *a, new: bytes, **kw) -> None:
+        super().__init__(*a, **kw)
+        self.new, self.replaced = new, threading.Event()
+        self._once = threading.Lock()
+
+    def _get_range(self, key, name, start, length, etag, place, cancel=None):
+        if start and not self.replaced.is_set():
+            with self._once:
+                if not self.replaced.is_set():
+                    S3Tier.put(self, key, self.new)
+                    self.replaced.set()
+        return super()._get_range(key, name, start, length, etag, place, cancel)
+
+
+@pytest.mark.parametrize("known_length", [True, False])
+def test_an_object_replaced_during_a_read_is_read_again_whole(s3_bucket, known_length):
+    endpoint, bucket = s3_bucket
+    old, new = payload(3 * PART + 99, seed=11), payload(3 * PART + 99, seed=12)
+    with _Replacing(bucket, "swap", endpoint_url=endpoint, multipart_threshold=PART, multipart_chunksize=PART,
+                    max_concurrency=3, new=new) as tier:
+        key = shard_key("job", 11, 0)
+        S3Tier.put(tier, key, old)
+        if known_length:
+            buf = bytearray(len(old))
+            tier.read_into(key, memoryview(buf))
+        else:
+            buf = tier.get(key)
+        assert tier.replaced.is_set()
+        # never a mix of the two objects: the range that saw the new one makes the whole read start over
+        assert bytes(buf) == new
+
+
 def test_put_reports_progress_up_to_the_object_size(make_tier, tmp_path):
     tier = make_tier()
     data = payload(PART + 4321, seed=8)

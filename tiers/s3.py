@@ -104,6 +104,8 @@ _BACKOFF_MAX = 5.0
 _READ_RESTARTS = 5
 #: bytes per readinto call while streaming a body (bounds urllib3's staging copy)
 _READ_SLICE = 1 * MiB
+#: the smallest ranged GET a read of known length is split into
+_MIN_RANGE = 8 * MiB
 
 
 def _code_status(e: BaseException) -> tuple[str, int]:
@@ -240,6 +242,7 @@ class S3Tier(TierBase):
         self.retry_deadline = float(retry_deadline)
         self.max_attempts = int(max_attempts)
         self.part_size = int(multipart_chunksize)
+        self.max_concurrency = int(max_concurrency)
         self._own_client = client is None
         if client is None:
             session = boto3.session.Session()
@@ -405,15 +408,24 @@ class S3Tier(TierBase):
         if offset + length > size:
             raise TierError(errno.EINVAL, f"{key}: read of {length} bytes at {offset} past its end ({size})")
 
+    def _range_size(self, n: int) -> int:
+        """Bytes per ranged GET for a read of ``n`` bytes: enough ranges to keep every connection busy, none
+        larger than ``multipart_chunksize`` nor smaller than ``_MIN_RANGE``."""
+        per = -(-n // self.max_concurrency)
+        return max(1, min(self.part_size, max(_MIN_RANGE, per)))
+
     def _fetch_once(self, key: str, name: str, offset: int, buf: memoryview | None) -> memoryview:
-        first = self.part_size if buf is None else min(len(buf), self.part_size)
-        dest: list[memoryview] = [] if buf is None else [buf]
+        if buf is not None:
+            return self._fetch_known(key, name, offset, buf)
+        # the length is the object's: the first range tells it (and pins the object by its ETag)
+        first = self.part_size
+        dest: list[memoryview] = []
 
         def place_first(total: int) -> memoryview:
-            end = total if buf is None else offset + len(buf)
-            if end > total:
-                raise TierError(errno.EINVAL, f"{key}: read of {end - offset} bytes at {offset} past its end ({total})")
-            if buf is None and (not dest or len(dest[0]) != end - offset):
+            end = total
+            if end < offset:
+                raise TierError(errno.EINVAL, f"{key}: read at {offset} past its end ({total})")
+            if not dest or len(dest[0]) != end - offset:
                 # first try, or a retry that found the object replaced by one of another size
                 dest[:] = [memoryview(bytearray(end - offset))]
             return dest[0][: min(first, end - offset)]
@@ -430,23 +442,50 @@ class S3Tier(TierBase):
                 return out[rel : rel + n]
             return view
 
+        step = self._range_size(len(out) - first)
+        self._gather(key, [(self._get_range, key, name, offset + rel, min(step, len(out) - rel), etag,
+                            place(rel, min(step, len(out) - rel)))
+                           for rel in range(first, len(out), step)])
+        return out
+
+    def _fetch_known(self, key: str, name: str, offset: int, buf: memoryview) -> memoryview:
+        """Fill ``buf`` from ``offset``: every range is requested at once (no first request alone to learn the
+        object's size), and all of them must come from one object (one ETag, one size), else it restarts."""
+        end = offset + len(buf)
+
+        def place(rel: int, n: int) -> Callable[[int], memoryview]:
+            def view(size: int) -> memoryview:
+                if end > size:
+                    raise TierError(errno.EINVAL, f"{key}: read of {len(buf)} bytes at {offset} past its end ({size})")
+                return buf[rel : rel + n]
+            return view
+
+        step = self._range_size(len(buf))
+        tags = self._gather(key, [(self._get_range, key, name, offset + rel, min(step, len(buf) - rel), None,
+                                   place(rel, min(step, len(buf) - rel)))
+                                  for rel in range(0, len(buf), step)])
+        if len(set(tags)) > 1:
+            raise _Changed(errno.EAGAIN, f"{key} changed while being read")
+        return buf
+
+    def _gather(self, key: str, calls: list[tuple]) -> list[tuple[str, int]]:
+        """Run ``_get_range`` calls on the range pool; return their ``(etag, size)`` in order, or raise the first
+        real failure once none of them still runs (each writes into the caller's buffer)."""
         cancel = threading.Event()
-        futures = []
-        for rel in range(first, len(out), self.part_size):
-            n = min(self.part_size, len(out) - rel)
-            futures.append(self._pool.submit(
-                self._get_range, key, name, offset + rel, n, etag, place(rel, n), cancel))
+        if len(calls) == 1:
+            fn, *args = calls[0]
+            return [fn(*args)]
+        futures = [self._pool.submit(fn, *args, cancel) for fn, *args in calls]
         done, pending = wait(futures, return_when=FIRST_EXCEPTION)
         if pending:
             cancel.set()
-            # every range writes into the caller's buffer: none may still run when we return
             wait(pending)
         errors = [f.exception() for f in futures if f.exception() is not None]
         if errors:
             # a replaced object restarts the read; otherwise the first real failure wins
             errors.sort(key=lambda e: 0 if isinstance(e, _Changed) else 2 if isinstance(e, _Cancelled) else 1)
             raise errors[0]
-        return out
+        return [f.result() for f in futures]
 
     def _get_range(self, key: str, name: str, start: int, length: int, etag: str | None,
                    place: Callable[[int], memoryview], cancel: threading.Event | None = None) -> tuple[str, int]:
