@@ -46,6 +46,7 @@ import logging
 import os
 import signal
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from recovery import step_index
@@ -55,6 +56,7 @@ from tiers.base import Tier
 from tiers.checksum import checksum_file, checksum_file_and_heads
 from tiers.disk import DiskTier
 from tiers.errors import TierError
+from tiers.memory import background_priority
 
 from .config import Settings, SettingsError, private_socket_folder
 from .drain import ByteBudget, Drainer, delete_step
@@ -118,6 +120,9 @@ class Agent:
         #: ``(job, rank)`` doing it
         self._filling: set[str] = set()
         self._fillers: dict[tuple[str, int], asyncio.Task] = {}
+        #: the threads that size and fault in staging slots, at the lowest CPU priority: the trainers' steps
+        #: that run meanwhile on the same cores go first
+        self._slot_pool = ThreadPoolExecutor(2, thread_name_prefix="agent-slots", initializer=background_priority)
         #: runs, clean ends and crashes of each job (what a crashed job keeps, and until when)
         self.ends = JobEnds(settings.keep_after_crash, self._kept_ran_out)
         self._slot_cond: asyncio.Condition | None = None
@@ -202,6 +207,7 @@ class Agent:
         abandoned = {f"{j}/step-{s}": sorted(t) for (j, s), t in self.book.draining.items() if t}
         for task in self._fillers.values():
             task.cancel()
+        self._slot_pool.shutdown(wait=False, cancel_futures=True)
         self.ends.close()
         self.drain.stop()
         if self.replicator is not None:
@@ -389,7 +395,7 @@ class Agent:
                 try:
                     # a trainer that cannot wait (its save is blocked meanwhile) takes the slot only sized and
                     # faults it in while it copies: ``fault`` False
-                    await asyncio.to_thread(self.memory.prepare_slot, slot, nbytes, bool(req.get("fault", True)))
+                    await self._prepare_slot(slot, nbytes, bool(req.get("fault", True)))
                 except BaseException:
                     self._leases.discard(slot)
                     conn.leases.discard(slot)
@@ -426,6 +432,11 @@ class Agent:
         (its manifest not yet written, so the oldest retained step is not trimmed yet) and the next save's,
         leased right after that commit: so the next save finds a free, faulted slot without waiting."""
         return self.settings.keep_memory + 2
+
+    async def _prepare_slot(self, slot: str, nbytes: int, fault: bool = True) -> bool:
+        """``memory.prepare_slot`` on the slot threads (:attr:`_slot_pool`)."""
+        return await asyncio.get_running_loop().run_in_executor(
+            self._slot_pool, self.memory.prepare_slot, slot, nbytes, fault)
 
     def _free_slot(self, job: str, rank: int, skip: set[str] = frozenset()) -> str | None:
         """A free slot of ``(job, rank)`` (not leased, not being filled, not in ``skip``), or the path of a new
@@ -473,7 +484,7 @@ class Agent:
                 return
             self._filling.add(slot)
             try:
-                await asyncio.to_thread(self.memory.prepare_slot, slot, nbytes)
+                await self._prepare_slot(slot, nbytes)
             except (OSError, TierError) as e:
                 # not an error of any save: a begin that needs this slot sizes it itself and reports it
                 log.warning("could not fault in a staging slot of %s rank %d ahead of time: %s", job, rank, e)

@@ -66,6 +66,7 @@ from recovery.inventory import TierInventory
 from recovery.planner import RestoreError
 from recovery.restorer import Restorer
 from tiers import keys
+from tiers.memory import background_priority
 from tiers.base import Tier
 from tiers.layout import Layout
 from tiers.manifest import Manifest
@@ -334,7 +335,7 @@ class Checkpointer:
         self._closed = False
         self._next_slot: tuple[str, int] | None = None
         self._prelease_fut: cf.Future | None = None
-        self._leaser = cf.ThreadPoolExecutor(1, thread_name_prefix="tierckpt-lease")
+        self._leaser = cf.ThreadPoolExecutor(1, thread_name_prefix="tierckpt-lease", initializer=background_priority)
         self._lease_client: AgentClient | None = None
         self.last_restore: RestoreReport | None = None
         self.skipped: list[tuple[int, str]] = []

@@ -317,3 +317,31 @@ def test_a_two_rank_job_that_ends_cleanly_leaves_nothing_in_memory(tmp_path):
             c.close()
             agent_call(shm, "shutdown")
             wait_stopped(Settings(shm=shm), 60)
+
+
+def test_the_threads_that_lease_and_fault_slots_run_at_the_lowest_priority_and_the_trainer_does_not(tmp_path,
+                                                                                                   monkeypatch):
+    import threading
+
+    from tiers.memory import background_priority
+
+    monkeypatch.delenv("TIERCKPT_NO_NICE", raising=False)
+    before = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    seen: list[int] = []
+
+    def body() -> None:
+        background_priority()
+        seen.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
+
+    t = threading.Thread(target=body)
+    t.start()
+    t.join(30)
+    assert seen == [19]
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == before
+    # the checkpointer's lease thread is one of them
+    with ckpt.Checkpointer("nice", shm=str(tmp_path / "shm")) as ck:
+        ck.save(1, {"w": torch.ones(4)})
+        ck.wait()
+        tid = ck._leaser.submit(threading.get_native_id).result(timeout=60)
+        assert os.getpriority(os.PRIO_PROCESS, tid) == 19
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == before

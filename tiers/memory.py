@@ -10,8 +10,10 @@ restart without any bookkeeping.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
+import threading
 import uuid
 
 from ._folder import FolderTier
@@ -26,6 +28,16 @@ def default_shm_root() -> str:
     base = "/dev/shm" if os.path.isdir("/dev/shm") else os.environ.get("TMPDIR", "/tmp")
     return os.path.join(base, f"tierckpt-{os.getuid()}")
 
+
+
+def background_priority() -> None:
+    """Give the calling thread the lowest CPU priority (Linux schedules each thread on its own): a thread
+    that sizes, faults in or maps staging slots ahead of the saves then gives way to the training steps that
+    run meanwhile, on the cores they share. ``TIERCKPT_NO_NICE=1`` leaves priorities alone."""
+    if os.environ.get("TIERCKPT_NO_NICE"):
+        return
+    with contextlib.suppress(OSError, AttributeError):
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
 
 class MemoryTier(FolderTier):
     """Shards and manifests in host memory (a tmpfs folder). Not durable by design."""
