@@ -147,6 +147,11 @@ class Kept:
         self.uninitialized: list[torch.optim.Optimizer] = []
         self._flat: Flat | None = None
 
+    @property
+    def flat(self) -> Flat | None:
+        """The state flattened for restore by :meth:`mark` (None before)."""
+        return self._flat
+
     def mark(self) -> None:
         """Note the optimizers that have no state yet (the restore's flattening initialises them), without
         copying anything; :meth:`put_back` gives them their empty state back."""
@@ -284,6 +289,9 @@ class ShardLoader:
         self.verify = verify
         self.copiers = copiers
         self.device = device
+        #: ``(state, its flattening for restore)`` while :meth:`prepare` runs with a flattening the caller made
+        #: already (:attr:`Kept.flat`): flattening a large model's state dicts again costs tens of ms
+        self._given: tuple[dict, Flat] | None = None
 
     def load_resharded(self, plan: RestorePlan, state: dict, world: int | None = None) -> list[ShardReport]:
         """:meth:`prepare_resharded`, then finish it."""
@@ -372,12 +380,21 @@ class ShardLoader:
         prepared.finish()
         return prepared.reports[0]
 
-    def prepare(self, plan: RestorePlan, state: dict, before_write: Callable[[], None] | None = None) -> Prepared:
+    def prepare(self, plan: RestorePlan, state: dict, before_write: Callable[[], None] | None = None,
+                flat: Flat | None = None) -> Prepared:
         """Read and verify this rank's shard of ``plan`` (or rebuild it from its replicas), from the first of its
         places that holds it intact. A local file (memory, uncompressed disk) is verified first and copied into
         the tensors by ``finish``; a peer's ranged reads land in CPU tensors now, verified as they land, after
         ``before_write()`` (the caller keeping what the tensors held: :meth:`Kept.take`); everything else is
-        written by ``finish``."""
+        written by ``finish``. ``flat``: ``state`` flattened for restore already (``flatten_state(state,
+        for_restore=True)``), used instead of flattening it again."""
+        self._given = None if flat is None else (state, flat)
+        try:
+            return self._prepare(plan, state, before_write)
+        finally:
+            self._given = None
+
+    def _prepare(self, plan: RestorePlan, state: dict, before_write: Callable[[], None] | None) -> Prepared:
         if self.rank in plan.replicas:
             return self._load_replicas(plan, state)
         info = plan.manifest.shard(self.rank)
@@ -718,11 +735,11 @@ class ShardLoader:
         report = ShardReport(self.rank, tier.name, info.size, time.perf_counter() - t0, source=source_name(tier))
         return Prepared([report], apply, release)
 
-    @staticmethod
-    def _target(plan: RestorePlan, state: dict, info: Any) -> tuple[dict, Flat]:
+    def _target(self, plan: RestorePlan, state: dict, info: Any) -> tuple[dict, Flat]:
         """The shard's entries by name and the flattened state to fill; StateMismatchError if names are missing."""
         by_name = {e.name: e for e in plan.entries(info.rank)}
-        flat = flatten_state(state, for_restore=True)
+        given = self._given
+        flat = given[1] if given is not None and given[0] is state else flatten_state(state, for_restore=True)
         spilled = VALUES_NAME in by_name  # JSON values in the shard: checked once it is read (_spilled)
         missing = [leaf.name for leaf in flat.leaves if leaf.name not in by_name
                    and not (spilled and leaf.tensor is None and not isinstance(leaf.value, bytes))]

@@ -187,9 +187,11 @@ class _StateLoader:
     state: dict
     world: int
     before_write: Callable[[], None] | None
+    #: ``state`` flattened for restore already (:attr:`Kept.flat`)
+    flat: Any = None
 
     def prepare(self, plan: RestorePlan) -> Prepared:
-        return self.loader.prepare(plan, self.state, self.before_write)
+        return self.loader.prepare(plan, self.state, self.before_write, self.flat)
 
     def prepare_resharded(self, plan: RestorePlan) -> Prepared:
         return self.loader.prepare_resharded(plan, self.state, self.world, self.before_write)
@@ -1078,7 +1080,7 @@ class Checkpointer:
         # restored in the end (every other write waits for Prepared.finish, which only a step prepared on every
         # rank gets)
         with kept(state, take=False) as before:
-            loader = _StateLoader(self._loader, state, self.world, before.take if keep_state else None)
+            loader = _StateLoader(self._loader, state, self.world, before.take if keep_state else None, before.flat)
             done = self._restorer().restore(loader, step)
             if done is None:
                 self._lease_for(state)  # a fresh start: the first save's slot is faulted in meanwhile

@@ -286,7 +286,9 @@ def _timed_out(t: Tier, e: TimeoutError) -> TierInventory:
 def in_parallel(tiers: list[Tier], fn, timed_out, timeout: float) -> list:
     """``fn(tier)`` for every tier at once, in the given order; ``timed_out(tier, TimeoutError)`` stands for
     each call still running ``timeout`` seconds after the start (left behind, never joined). An exception
-    ``fn`` raises is raised here."""
+    ``fn`` raises is raised here. A tier in host memory (``in_host_memory``) runs on the calling thread: it
+    cannot hang, and starting a thread for a listing that takes microseconds costs more than the listing
+    when the cores are busy (a restart's other work)."""
     results: list = [None] * len(tiers)
     done = [False] * len(tiers)
 
@@ -300,10 +302,13 @@ def in_parallel(tiers: list[Tier], fn, timed_out, timeout: float) -> list:
     # Daemon threads rather than an executor: an executor's workers are joined
     # when the interpreter exits, so a hung tier would still hold the process.
     threads = [threading.Thread(target=run, args=(i, t), name=f"tierckpt-scan-{t.name}", daemon=True)
-               for i, t in enumerate(tiers)]
+               for i, t in enumerate(tiers) if not getattr(t, "in_host_memory", False)]
     deadline = time.monotonic() + timeout
     for th in threads:
         th.start()
+    for i, t in enumerate(tiers):
+        if getattr(t, "in_host_memory", False):
+            run(i, t)
     for th in threads:
         th.join(max(0.0, deadline - time.monotonic()))
     out = []

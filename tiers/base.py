@@ -49,6 +49,9 @@ class Tier(Protocol):
     """A place that holds shards and manifests. See the module docstring."""
 
     name: str
+    #: True when every call is answered from this host's memory (a tmpfs folder): it never waits on a device
+    #: or the network, so a caller may run it inline rather than on a thread with a deadline
+    in_host_memory: bool
 
     def put(self, key: str, src: Source) -> int:
         """Store ``src`` under ``key`` atomically; return the bytes stored."""
@@ -76,6 +79,7 @@ class TierBase:
     """Shared defaults: ``get`` on top of ``stat`` + ``read_into``; context manager."""
 
     name = "tier"
+    in_host_memory = False
 
     def get(self, key: str, offset: int = 0, length: int | None = None) -> bytes:
         if length is None:

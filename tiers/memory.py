@@ -43,6 +43,7 @@ class MemoryTier(FolderTier):
     """Shards and manifests in host memory (a tmpfs folder). Not durable by design."""
 
     name = "memory"
+    in_host_memory = True
 
     def __init__(self, root: str | os.PathLike | None = None) -> None:
         super().__init__(root or default_shm_root(), durable=False)
