@@ -434,9 +434,12 @@ class Agent:
         return self.settings.keep_memory + 2
 
     async def _prepare_slot(self, slot: str, nbytes: int, fault: bool = True) -> bool:
-        """``memory.prepare_slot`` on the slot threads (:attr:`_slot_pool`)."""
+        """``memory.prepare_slot``: faulting in (ahead of the save that will use the slot) on the low-priority
+        slot threads (:attr:`_slot_pool`); only sizing (a save is blocked on it) at normal priority."""
+        if not fault:
+            return await asyncio.to_thread(self.memory.prepare_slot, slot, nbytes, False)
         return await asyncio.get_running_loop().run_in_executor(
-            self._slot_pool, self.memory.prepare_slot, slot, nbytes, fault)
+            self._slot_pool, self.memory.prepare_slot, slot, nbytes, True)
 
     def _free_slot(self, job: str, rank: int, skip: set[str] = frozenset()) -> str | None:
         """A free slot of ``(job, rank)`` (not leased, not being filled, not in ``skip``), or the path of a new

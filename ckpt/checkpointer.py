@@ -66,10 +66,10 @@ from recovery.inventory import TierInventory
 from recovery.planner import RestoreError
 from recovery.restorer import Restorer
 from tiers import keys
-from tiers.memory import background_priority
 from tiers.base import Tier
 from tiers.layout import Layout
 from tiers.manifest import Manifest
+from tiers.memory import background_priority
 
 from ._devices import DeviceAdapter, Item, make_adapter
 from . import _guard

@@ -301,13 +301,14 @@ def in_parallel(tiers: list[Tier], fn, timed_out, timeout: float) -> list:
 
     # Daemon threads rather than an executor: an executor's workers are joined
     # when the interpreter exits, so a hung tier would still hold the process.
+    inline = [getattr(t, "in_host_memory", False) for t in tiers]
     threads = [threading.Thread(target=run, args=(i, t), name=f"tierckpt-scan-{t.name}", daemon=True)
-               for i, t in enumerate(tiers) if not getattr(t, "in_host_memory", False)]
+               for i, t in enumerate(tiers) if not inline[i]]
     deadline = time.monotonic() + timeout
     for th in threads:
         th.start()
     for i, t in enumerate(tiers):
-        if getattr(t, "in_host_memory", False):
+        if inline[i]:
             run(i, t)
     for th in threads:
         th.join(max(0.0, deadline - time.monotonic()))

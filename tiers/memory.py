@@ -29,7 +29,6 @@ def default_shm_root() -> str:
     return os.path.join(base, f"tierckpt-{os.getuid()}")
 
 
-
 def background_priority() -> None:
     """Give the calling thread the lowest CPU priority (Linux schedules each thread on its own): a thread
     that sizes, faults in or maps staging slots ahead of the saves then gives way to the training steps that
@@ -38,6 +37,7 @@ def background_priority() -> None:
         return
     with contextlib.suppress(OSError, AttributeError):
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+
 
 class MemoryTier(FolderTier):
     """Shards and manifests in host memory (a tmpfs folder). Not durable by design."""

@@ -471,10 +471,10 @@ class S3Tier(TierBase):
     def _gather(self, key: str, calls: list[tuple]) -> list[tuple[str, int]]:
         """Run ``_get_range`` calls on the range pool; return their ``(etag, size)`` in order, or raise the first
         real failure once none of them still runs (each writes into the caller's buffer)."""
-        cancel = threading.Event()
         if len(calls) == 1:
             fn, *args = calls[0]
             return [fn(*args)]
+        cancel = threading.Event()
         futures = [self._pool.submit(fn, *args, cancel) for fn, *args in calls]
         done, pending = wait(futures, return_when=FIRST_EXCEPTION)
         if pending:
