@@ -220,7 +220,8 @@ class PeerLink:
                     self._conn.sock.settimeout(self._conn.timeout)
                 headers = {"Content-Type": ctype, "Content-Length": str(len(body))}
                 if self.secret:
-                    headers.update(sign(self.secret, "POST", path, None, node=self.node, content_length=len(body)))
+                    headers.update(sign(self.secret, "POST", path, None, node=self.node, content_length=len(body),
+                                        to=self.addr))
                 try:
                     self._conn.request("POST", path, body=body, headers=headers)
                     resp = self._conn.getresponse()

@@ -32,7 +32,7 @@ from tiers.wire import (
     H_TIMESTAMP,
     H_VERSION,
     AuthError,
-    NonceCache,
+    ReplayGuard,
     SecretError,
     TokenBucket,
     Verifier,
@@ -177,18 +177,90 @@ def test_the_canonical_query_does_not_depend_on_order_or_encoding():
     assert "\n" not in canonical_query({"a": "1\n2"})
 
 
-def test_the_nonce_cache_forgets_expired_nonces_and_refuses_when_full():
-    cache = NonceCache(max_entries=2)
-    assert cache.add("a" * 32, expires=10, now=0)
-    assert not cache.add("a" * 32, expires=10, now=5)
-    assert cache.add("b" * 32, expires=20, now=5)
-    with pytest.raises(AuthError) as info:
-        cache.add("c" * 32, expires=20, now=6)
+def _nonce(session: str, seq: int) -> str:
+    return f"{session}{seq:016x}"
+
+
+def test_a_request_delayed_past_the_skew_window_is_taken_if_its_session_is_known():
+    """A link down for 40 s delivers requests signed before the outage: taken once, never twice."""
+    now = [1000.0]
+    v = Verifier(SECRET, max_skew=30, clock=lambda: now[0])
+    sess = "ab" * 8
+    first = signed("GET", "/v1/health", timestamp=now[0], nonce=_nonce(sess, 1))
+    assert v.verify("GET", "/v1/health", None, first) == 0
+    held = [signed("GET", "/v1/health", timestamp=now[0], nonce=_nonce(sess, n)) for n in (2, 3)]
+    now[0] += 40  # the outage
+    assert v.verify("GET", "/v1/health", None, held[1]) == 0  # out of order, too
+    assert v.verify("GET", "/v1/health", None, held[0]) == 0
+    for h in (first, *held):
+        with pytest.raises(AuthError) as info:
+            v.verify("GET", "/v1/health", None, h)
+        assert info.value.reason == "replay"
+    # a session this node has no record of (it restarted) must be fresh
+    other = signed("GET", "/v1/health", timestamp=now[0] - 40, nonce=_nonce("cd" * 8, 7))
+    with pytest.raises(AuthError, match="no record of") as info:
+        v.verify("GET", "/v1/health", None, other)
+    assert info.value.reason == "skew"
+    # and so must a number at or below the first one taken: it could predate the record
+    early = signed("GET", "/v1/health", timestamp=now[0] - 40, nonce=_nonce(sess, 0))
+    with pytest.raises(AuthError, match="before the first") as info:
+        v.verify("GET", "/v1/health", None, early)
+    assert info.value.reason == "skew"
+
+
+def test_the_replay_guard_refuses_every_number_it_took_and_every_one_below_its_window():
+    g = ReplayGuard(window=8, max_sessions=2)
+    kw = dict(fresh=True, now=0.0, max_skew=30.0, late_s=0.0)
+    sess = "0f" * 8
+    order = [5, 3, 4, 9, 6, 2, 20, 14, 13, 30, 31, 29]
+    for n in order:
+        g.take("0", _nonce(sess, n), **kw)
+    for n in order:
+        with pytest.raises(AuthError) as info:
+            g.take("0", _nonce(sess, n), **kw)
+        assert info.value.reason == "replay", n
+    for n in (1, 7, 21):  # never taken, but more than 8 below the highest (31): too old
+        with pytest.raises(AuthError):
+            g.take("0", _nonce(sess, n), **kw)
+    g.take("0", _nonce(sess, 24), **kw)  # never taken and inside the window
+    # the same numbers from another node or session are other requests
+    g.take("1", _nonce(sess, 5), **kw)
+    with pytest.raises(AuthError) as info:  # two sessions known and both active: a third is refused
+        g.take("0", _nonce("aa" * 8, 1), **kw)
     assert info.value.reason == "busy"
-    assert cache.add("c" * 32, expires=30, now=11)  # "a" expired at 10 and made room
-    assert len(cache) == 2
-    assert cache.add("d" * 32, expires=40, now=21)  # and "b" at 20
-    assert len(cache) == 2
+    g.take("0", _nonce("aa" * 8, 1), **{**kw, "now": 31.0})  # once one has idled past max_skew it goes
+    assert len(g) <= 2
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(min_value=1, max_value=300), min_size=1, max_size=120))
+def test_no_number_is_ever_taken_twice(numbers):
+    g = ReplayGuard(window=16)
+    taken: set[int] = set()
+    for n in numbers:
+        try:
+            g.take("0", _nonce("11" * 8, n), fresh=True, now=0.0, max_skew=30.0, late_s=0.0)
+        except AuthError as e:
+            assert e.reason == "replay"
+            continue
+        assert n not in taken
+        taken.add(n)
+
+
+def test_a_process_numbers_its_requests_per_receiver_and_a_forked_child_in_its_own_session():
+    a1 = sign(SECRET, "GET", "/v1/health", node=0, to="10.0.0.1:7700")[H_NONCE]
+    b1 = sign(SECRET, "GET", "/v1/health", node=0, to="10.0.0.2:7700")[H_NONCE]
+    a2 = sign(SECRET, "GET", "/v1/health", node=0, to="10.0.0.1:7700")[H_NONCE]
+    assert a1[:16] == b1[:16] == a2[:16] and int(a2[16:], 16) == int(a1[16:], 16) + 1
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.write(w, sign(SECRET, "GET", "/v1/health", node=0, to="10.0.0.1:7700")[H_NONCE].encode())
+        os._exit(0)
+    os.waitpid(pid, 0)
+    child = os.read(r, 64).decode()
+    os.close(r), os.close(w)
+    assert child[:16] != a1[:16]
 
 
 # -- the secret file ---------------------------------------------------------------------------

@@ -298,7 +298,8 @@ class PeerTier(TierBase):
         size = None if body is None else body.size
         checksum = None if body is None else body.checksum
         if self.secret is not None:
-            return sign(self.secret, method, path, query, node=self.node, content_length=size, checksum=checksum)
+            return sign(self.secret, method, path, query, node=self.node, content_length=size, checksum=checksum,
+                        to=self.addr)
         headers = {H_VERSION: str(WIRE_VERSION), H_NODE: str(self.node)}
         if checksum:
             headers[H_CHECKSUM] = checksum

@@ -7,7 +7,8 @@ these headers::
     X-Tierckpt-Version    WIRE_VERSION
     X-Tierckpt-Node       the sender's node rank
     X-Tierckpt-Timestamp  unix seconds (decimal), within ``max_skew`` of the receiver's clock
-    X-Tierckpt-Nonce      128 random bits as 32 lower-case hex digits, never reused
+    X-Tierckpt-Nonce      32 lower-case hex digits: the sender's session (16, random per process)
+                          then its sequence number towards this receiver (16), never reused
     X-Tierckpt-Signature  hex HMAC-SHA256(secret, canonical request)
 
 The canonical request is these fields joined by ``\\n``::
@@ -25,8 +26,14 @@ from ``X-Tierckpt-Checksum`` (the shard's xxh3 checksum, see
 :mod:`tiers.checksum`), which *is* signed and which the receiver checks against
 the bytes before publishing them. Confidentiality needs TLS.
 
-Replays: the receiver remembers every nonce until its timestamp leaves the
-``max_skew`` window, so a captured request is refused when sent again.
+Replays: the receiver keeps, per sender session, a window of the sequence
+numbers it has taken (:class:`ReplayGuard`), so a captured request is refused
+when sent again, however late. The timestamp only has to be within
+``max_skew`` for a session the receiver has no record of (its first requests,
+or the receiver restarted): a request that TCP delivers 40 s late, because a
+link was down for 40 s, is taken if its session is known and its number is
+new. A session's record is dropped only once it has been idle for longer than
+``max_skew``, so no request it took can be replayed with a fresh timestamp.
 """
 
 from __future__ import annotations
@@ -77,7 +84,7 @@ __all__ = [
     "canonical_query",
     "canonical_request",
     "sign",
-    "NonceCache",
+    "ReplayGuard",
     "Verifier",
     "load_secret",
     "secret_from_env",
@@ -202,18 +209,20 @@ def _check_secret(secret: bytes) -> bytes:
 
 def sign(secret: bytes, method: str, path: str, query: Query = None, *, node: int,
          content_length: int | None = None, checksum: str | None = None,
-         timestamp: float | None = None, nonce: str | None = None) -> dict[str, str]:
+         timestamp: float | None = None, nonce: str | None = None, to: str = "") -> dict[str, str]:
     """Headers that authenticate one request: version, node, timestamp, nonce, signature.
 
     ``path`` is the decoded path (``/v1/o/<key>``), ``query`` the decoded query.
     ``content_length`` and ``checksum`` must be sent as given (the checksum
     header is included in the result when given; Content-Length is the
-    caller's to send). ``timestamp`` (unix seconds) and ``nonce`` default to
-    now and 128 fresh random bits; a nonce must never be reused.
+    caller's to send). ``timestamp`` (unix seconds) defaults to now, ``nonce``
+    to this process's session and its next sequence number towards ``to``
+    (the receiver's address: numbers that reach a receiver in order keep its
+    replay window small); a nonce must never be reused.
     """
     secret = _check_secret(secret)
     ts = f"{time.time() if timestamp is None else timestamp:.3f}"
-    nonce = secrets.token_hex(16) if nonce is None else nonce
+    nonce = _next_nonce(to) if nonce is None else nonce
     node_s = str(int(node))
     cl = "" if content_length is None else str(int(content_length))
     canonical = canonical_request(method, path, query, timestamp=ts, nonce=nonce, node=node_s,
@@ -231,40 +240,110 @@ def sign(secret: bytes, method: str, path: str, query: Query = None, *, node: in
 
 
 # -- verification ------------------------------------------------------------------------
-class NonceCache:
-    """The nonces seen in the replay window, each kept until its expiry (unix seconds).
+class _Session:
+    """What a receiver keeps of one sender session: every number up to ``base`` is taken or too old; bit
+    ``i`` of ``mask`` says whether ``base + 1 + i`` was taken."""
 
-    Holds at most ``max_entries``; when full, new requests are refused
-    (``AuthError('busy')``) rather than forgetting a nonce that could then be
-    replayed. Thread-safe.
+    __slots__ = ("first", "base", "top", "mask", "used")
+
+    def __init__(self, first: int, window: int, now: float) -> None:
+        self.first = first
+        self.base = first - 1 - window  # numbers a little below the first may still arrive (parallel links)
+        self.top = first - 1
+        self.mask = 0
+        self.used = now
+
+
+class ReplayGuard:
+    """Sequence windows of the sender sessions this receiver has heard from (see the module docstring).
+
+    A request is taken when its number is above the session's floor and not taken before. The floor
+    follows the numbers taken in order, and never lags the highest one by more than ``window`` (a bit mask
+    of ``window`` bits per session). A request of an unknown session, or numbered at or below the first
+    number the receiver took from it, must be fresh (its timestamp within ``max_skew``): only those could
+    have reached this receiver before it started keeping the session. At most ``max_sessions`` sessions;
+    when full, those idle for longer than ``max_skew`` are forgotten, and if there are none, new sessions
+    are refused (``AuthError('busy')``). Thread-safe.
     """
 
-    def __init__(self, max_entries: int = 200_000) -> None:
-        if max_entries < 1:
-            raise ValueError("max_entries must be >= 1")
-        self.max_entries = max_entries
-        self._expiry: dict[str, float] = {}
-        self._heap: list[tuple[float, str]] = []
+    def __init__(self, window: int = 4096, max_sessions: int = 65536) -> None:
+        if window < 1 or max_sessions < 1:
+            raise ValueError("window and max_sessions must be >= 1")
+        self.window = window
+        self.max_sessions = max_sessions
+        self._sessions: dict[tuple[str, str], _Session] = {}
         self._lock = threading.Lock()
 
     def __len__(self) -> int:
-        return len(self._expiry)
+        return len(self._sessions)
 
-    def add(self, nonce: str, expires: float, now: float) -> bool:
-        """Remember ``nonce`` until ``expires``; False if it is already remembered."""
+    def take(self, node: str, nonce: str, *, fresh: bool, now: float, max_skew: float, late_s: float) -> None:
+        """Take request ``nonce`` of ``node``; raise AuthError (``replay``, ``skew`` or ``busy``) if it may not
+        be taken. ``fresh``: its timestamp is within ``max_skew``; ``late_s``: how far off it is."""
+        key, seq = (node, nonce[:16]), int(nonce[16:], 16)
         with self._lock:
-            while self._heap and self._heap[0][0] <= now:
-                _, old = heapq.heappop(self._heap)
-                if self._expiry.get(old, math.inf) <= now:
-                    del self._expiry[old]
-            if nonce in self._expiry:
-                return False
-            if len(self._expiry) >= self.max_entries:
-                raise AuthError("busy", "too many requests in the replay window to remember them all; "
-                                        "retry shortly")
-            self._expiry[nonce] = expires
-            heapq.heappush(self._heap, (expires, nonce))
-            return True
+            st = self._sessions.get(key)
+            if st is None:
+                if not fresh:
+                    raise _stale(late_s, max_skew, known=False)
+                if len(self._sessions) >= self.max_sessions:
+                    self._evict(now, max_skew)
+                st = self._sessions[key] = _Session(seq, self.window, now)
+            off = seq - st.base - 1
+            if off < 0 or st.mask >> off & 1:
+                raise AuthError("replay", "replayed request (its nonce was taken before, or is older than the "
+                                          f"last {self.window} this node took from its sender)")
+            if seq <= st.first and not fresh:
+                raise _stale(late_s, max_skew, known=True)
+            st.used = now
+            st.mask |= 1 << off
+            st.top = max(st.top, seq)
+            # the floor moves up over the numbers taken in order, and to at most `window` below the top
+            shift = max(st.top - self.window - st.base, (st.mask ^ (st.mask + 1)).bit_length() - 1)
+            st.mask >>= shift
+            st.base += shift
+            ones = (st.mask ^ (st.mask + 1)).bit_length() - 1
+            st.mask >>= ones
+            st.base += ones
+
+    def _evict(self, now: float, max_skew: float) -> None:
+        idle = [k for k, st in self._sessions.items() if now - st.used > max_skew]
+        if not idle:
+            raise AuthError("busy", "too many sender sessions active at once to remember them all; retry shortly")
+        for k in sorted(idle, key=lambda k: self._sessions[k].used)[:max(1, len(idle) // 2)]:
+            del self._sessions[k]
+
+
+def _stale(late_s: float, max_skew: float, *, known: bool) -> AuthError:
+    why = ("numbered before the first request this node took from its sender" if known
+           else "from a sender this node has no record of (this node restarted, or the sender is new)")
+    return AuthError("skew", f"request timestamp is {late_s:+.1f} s off this node's clock (at most {max_skew:.0f} s "
+                             f"allowed) and it is {why}: if the request was held up by a network outage it is "
+                             f"sent again; otherwise synchronise the clocks (NTP)")
+
+
+# -- the sender's side of the replay window ----------------------------------------------
+_seq_lock = threading.Lock()
+_session = secrets.token_hex(8)
+_seqs: dict[str, int] = {}
+
+
+def _new_session() -> None:
+    """A process (a forked child too) numbers its requests in a session of its own."""
+    global _session, _seq_lock
+    _seq_lock = threading.Lock()
+    _session = secrets.token_hex(8)
+    _seqs.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_new_session)
+
+
+def _next_nonce(to: str) -> str:
+    with _seq_lock:
+        n = _seqs[to] = _seqs.get(to, 0) + 1
+        return f"{_session}{n:016x}"
 
 
 def _all(headers: Mapping[str, str], name: str) -> list[str]:
@@ -293,17 +372,18 @@ def _one(headers: Mapping[str, str], name: str) -> str:
 class Verifier:
     """Checks the signature headers of incoming requests (see the module docstring).
 
-    ``max_skew``: seconds a timestamp may differ from ``clock()``.
-    ``nonce_cache``: where seen nonces are kept (a fresh :class:`NonceCache` if None).
+    ``max_skew``: seconds a timestamp may differ from ``clock()`` (for requests of a sender session this
+    node has no record of; see :class:`ReplayGuard`).
+    ``guard``: where sender sessions are kept (a fresh :class:`ReplayGuard` if None).
     """
 
-    def __init__(self, secret: bytes, max_skew: float = MAX_SKEW, nonce_cache: NonceCache | None = None,
+    def __init__(self, secret: bytes, max_skew: float = MAX_SKEW, guard: ReplayGuard | None = None,
                  clock: Callable[[], float] = time.time) -> None:
         self._secret = _check_secret(secret)
         if not max_skew > 0:
             raise ValueError("max_skew must be > 0 seconds")
         self.max_skew = float(max_skew)
-        self.nonces = NonceCache() if nonce_cache is None else nonce_cache
+        self.guard = ReplayGuard() if guard is None else guard
         self._clock = clock
 
     def verify(self, method: str, path: str, query: Query, headers: Mapping[str, str]) -> int:
@@ -333,9 +413,6 @@ class Verifier:
             raise AuthError("malformed", "a signed header holds a line break")
         now = self._clock()
         sent = float(ts)
-        if abs(now - sent) > self.max_skew:
-            raise AuthError("skew", f"request timestamp is {now - sent:+.1f} s off this node's clock "
-                                    f"(at most {self.max_skew:.0f} s allowed): synchronise the clocks (NTP)")
         try:
             canonical = canonical_request(method, path, query, timestamp=ts, nonce=nonce, node=node,
                                           content_length=cl, checksum=checksum, version=version)
@@ -344,9 +421,9 @@ class Verifier:
         if not hmac.compare_digest(_mac(self._secret, canonical), signature):
             raise AuthError("signature", "bad signature: the nodes do not share the same secret, "
                                          "or the request was altered")
-        # only signed requests reach the cache, so strangers cannot fill it
-        if not self.nonces.add(nonce, sent + self.max_skew, now):
-            raise AuthError("replay", "replayed request (nonce already used)")
+        # only signed requests reach the guard, so strangers cannot fill it
+        self.guard.take(node, nonce, fresh=abs(now - sent) <= self.max_skew, now=now, max_skew=self.max_skew,
+                        late_s=now - sent)
         return int(node)
 
 
