@@ -95,6 +95,13 @@ class Settings:
     #: seconds between heartbeats; a peer silent for ``dead_after`` seconds is declared dead
     heartbeat: float = 1.0
     dead_after: float = 5.0
+    #: seconds a peer that never answered since this agent started has before it is declared dead (agents of
+    #: a large cluster start over a minute or more); once it answered, ``dead_after`` applies
+    startup_grace: float = 60.0
+    #: nodes whose votes elect the commit root; 0 = a majority of the peers file (1 of 2 nodes). Below it no
+    #: root is elected and nothing commits (a partition's minority side waits for the link); 1 lets any node
+    #: be root alone
+    quorum: int = 0
     #: seconds a peer request may take before the peer counts as unreachable
     peer_timeout: float = 10.0
     #: warm restore: at start, pull from peers this node's ranks' shards of each job's newest step
@@ -136,6 +143,10 @@ class Settings:
             raise SettingsError(f"placement must be 'group' or 'ring', got {self.placement!r}")
         if self.heartbeat <= 0 or self.dead_after <= self.heartbeat:
             raise SettingsError("heartbeat must be > 0 and dead_after larger than heartbeat")
+        if self.startup_grace < 0:
+            raise SettingsError(f"startup_grace must be >= 0 seconds, got {self.startup_grace!r}")
+        if not isinstance(self.quorum, int) or self.quorum < 0:
+            raise SettingsError(f"quorum must be an integer >= 0 (0: a majority of the peers), got {self.quorum!r}")
         if not isinstance(self.fanout, int) or self.fanout < 1:
             raise SettingsError(f"fanout must be an integer >= 1, got {self.fanout!r}")
         if self.max_inflight_bytes < 1:

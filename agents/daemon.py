@@ -411,9 +411,11 @@ class Agent:
             if remaining <= 0:
                 busy = sorted(f"step {s} ({', '.join(sorted(t))})" for (j, s), t in self.book.draining.items()
                               if j == job and t)
+                blocked = self._commit_blocked(job, None)
                 why = (f"no free staging slot for {job} rank {rank}: "
                        f"{'still draining: ' + '; '.join(busy) if busy else 'every slot holds a retained step'}"
-                       f"; save skipped (raise keep_memory or drain faster)")
+                       + (f"; {blocked}; save skipped" if blocked
+                          else "; save skipped (raise keep_memory or drain faster)"))
                 if wait:
                     log.warning(why)
                 return {"skip": why, "errors": self.book.take_errors(job) if req.get("errors", True) else []}
@@ -586,14 +588,42 @@ class Agent:
         else:
             evs = [self.book.settled[(job, keys.check_step(step))]] if (job, step) in self.book.settled else []
             copies = self.replicator.copies(job, [step]) if self.replicator else []
+        waiting = asyncio.ensure_future(asyncio.gather(*(ev.wait() for ev in evs), *copies))
+        deadline = time.monotonic() + timeout
+        blocked_since: float | None = None
         try:
             # written to every tier, and copied to the peers placement names (a failed copy is reported by
-            # status and healed later: it does not fail the wait)
-            await asyncio.wait_for(asyncio.gather(*(ev.wait() for ev in evs), *copies), timeout)
-            done = True
-        except asyncio.TimeoutError:
-            done = False
-        return {"done": done, "errors": self.book.take_errors(job)}
+            # status and healed later: it does not fail the wait). A step this node cannot commit (no commit
+            # root it can reach) is answered as such once that lasted dead_after, not after the timeout
+            while True:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return {"done": False, "errors": self.book.take_errors(job)}
+                done, _ = await asyncio.wait({waiting}, timeout=min(left, 1.0))
+                if done:
+                    waiting.result()
+                    return {"done": True, "errors": self.book.take_errors(job)}
+                why = self._commit_blocked(job, step)
+                if why is None:
+                    blocked_since = None
+                    continue
+                blocked_since = blocked_since or time.monotonic()
+                if time.monotonic() - blocked_since >= self.settings.dead_after:
+                    return {"done": False, "errors": self.book.take_errors(job) + [why]}
+        finally:
+            waiting.cancel()
+
+    def _commit_blocked(self, job: str, step: int | None) -> str | None:
+        """Why a step of ``job`` pending on this node cannot commit now, or None."""
+        if self.replicator is None:
+            return None
+        pending = sorted(s for (j, s) in self.book.pending if j == job and (step is None or s == step))
+        if not pending:
+            return None
+        why = self.replicator.dis.blocked()
+        if why is None:
+            return None
+        return f"step {pending[0]} of {job} cannot commit: {why}"
 
     async def _op_lower(self, conn: _Conn, req: dict) -> dict:
         """The newest step of ``job`` that any tier could hold, as far as this agent knows: ``known`` is

@@ -12,10 +12,12 @@ What travels, per step of a job (N nodes, R ranks per node, world W = N x R):
   and forward it to theirs. The manifest (W rows of ~130 bytes, deflated)
   is the only per-step message whose size grows with the world.
 
-The tree: the live nodes in node-rank order, heap-indexed with fan-out ``f``:
-the node at position ``i`` has parent ``(i - 1) // f`` and children
-``f*i + 1 .. f*i + f``. The root is the lowest live node. Every node computes
-the same tree from the same view of who is alive.
+The tree: the live nodes, the root first and then in node-rank order,
+heap-indexed with fan-out ``f``: the node at position ``i`` has parent
+``(i - 1) // f`` and children ``f*i + 1 .. f*i + f``. The root is the node
+elected for the current epoch by a majority (:mod:`agents.election`): the
+lowest live node when it was elected. Every node computes the same tree from
+the same view of who is alive.
 
 A node holds its own rows of a step until the ranks it had in the job's
 previous step are all in (at most ``hold`` seconds), and gathers rows for
@@ -38,7 +40,9 @@ No single point of failure:
   neighbours and placement partners, report a silent one as dead (or a dead
   one as back) up the tree, and the root bumps the view's epoch and sends it
   down with the next message. When the root itself dies, its children (who
-  watch it) drop it and the next live node is the root.
+  watch it) drop it, and the next live node is elected root for a new epoch.
+  A node that sees no elected root holds its rows and says why
+  (:meth:`Disseminator.blocked`).
 
 Messages go over one keep-alive :class:`~agents.replication.PeerLink` per peer,
 signed like every peer request, in the agent's control executor, so serving
@@ -56,6 +60,7 @@ from dataclasses import dataclass, field
 
 from tiers.manifest import peek
 
+from .election import Election, View
 from .replication import SharedBody
 
 __all__ = ["DEFAULT_FANOUT", "Disseminator", "View", "tree_children", "tree_parent", "tree_root"]
@@ -71,7 +76,7 @@ KEEP_COMMITTED = 512
 
 
 def tree_root(live: list[int]) -> int:
-    """The root of the tree over ``live`` (the lowest live node)."""
+    """The root of the tree over ``live`` when no other root is elected (the lowest live node)."""
     return min(live)
 
 
@@ -96,22 +101,18 @@ def tree_children(live: list[int], me: int, fanout: int = DEFAULT_FANOUT) -> lis
     return order[fanout * i + 1: fanout * i + 1 + fanout]
 
 
-@dataclass
-class View:
-    """Who is dead, as the root last said: ``epoch`` orders views (a higher one replaces a lower)."""
+def _parent_in(order: list[int], me: int, fanout: int) -> int | None:
+    if me not in order:
+        return None
+    i = order.index(me)
+    return None if i == 0 else order[(i - 1) // fanout]
 
-    epoch: int = 0
-    dead: frozenset[int] = frozenset()
 
-    def to_json(self) -> dict:
-        return {"epoch": self.epoch, "dead": sorted(self.dead)}
-
-    @classmethod
-    def from_json(cls, obj: object) -> "View":
-        if not isinstance(obj, dict) or not isinstance(obj.get("epoch"), int) or not isinstance(obj.get("dead"), list) \
-                or not all(isinstance(r, int) and not isinstance(r, bool) for r in obj["dead"]):
-            raise ValueError("a view is {epoch: int, dead: [int]}")
-        return cls(obj["epoch"], frozenset(obj["dead"]))
+def _children_in(order: list[int], me: int, fanout: int) -> list[int]:
+    if me not in order:
+        return []
+    i = order.index(me)
+    return order[fanout * i + 1: fanout * i + 1 + fanout]
 
 
 Post = Callable[[int, str, dict], Awaitable[dict]]
@@ -139,19 +140,23 @@ class Disseminator:
     ``on_rows(rows)``: the root's intake of commit rows (from any node, its own included);
     ``on_manifest(data)``: commit a manifest received from the root (verifies it; True if new here);
     ``on_view(view)``: adopt a view the root sent; ``on_report(kind, node)``: the root applies a report
-    (True if it changed who is alive); ``dead()``: the nodes this node holds dead (the root's view).
+    (True if it changed who is alive); ``dead()``: the nodes this node holds dead (the root's view);
+    ``nodes``: how many nodes the cluster has, ``probe(node)``: whether a node answers a health check
+    within a short deadline, ``quorum`` and ``state_file``: for the root's election (:class:`Election`).
 
     Call order: :meth:`start` once; :meth:`submit` with this node's rows as their checksums are known;
     :meth:`committed` when a manifest is committed here (the root calls :meth:`broadcast` too);
-    :meth:`view_changed` after membership changes; :meth:`handle_up` / :meth:`handle_down` for the
-    two routes; :meth:`stop` at the end.
+    :meth:`view_changed` after membership changes; :meth:`handle_up` / :meth:`handle_down` /
+    :meth:`handle_vote` for the three routes; :meth:`stop` at the end.
     """
 
     def __init__(self, me: int, *, alive: Callable[[], set[int]], post: Post,
                  on_rows: Callable[[list[dict]], Awaitable[None]],
                  on_manifest: Callable[[bytes], Awaitable[bool]],
                  on_view: Callable[[View], None], on_report: Callable[[str, int], bool],
-                 dead: Callable[[], set[int]],
+                 dead: Callable[[], set[int]], nodes: int,
+                 probe: Callable[[int], Awaitable[bool]] | None = None, quorum: int | None = None,
+                 state_file: str | None = None,
                  fanout: int = DEFAULT_FANOUT, resend_after: float = 10.0, retry_after: float = 1.0,
                  linger: float = DEFAULT_LINGER, hold: float = 1.0) -> None:
         self.me = me
@@ -167,8 +172,14 @@ class Disseminator:
         self.fanout = fanout
         self.resend_after = resend_after
         self.retry_after = retry_after
-        self.view = View()
+        self.election = Election(me, nodes=nodes, live=alive, post=post, probe=probe or self._no_probe,
+                                 quorum=quorum, state_file=state_file, retry_after=retry_after)
+        self.election.on_elected = self._elected
         self.stats = _Stats()
+        #: since when (monotonic) and why sending rows up has been failing, None while it works
+        self._up_failing: tuple[float, str] | None = None
+        #: what the parent last answered about itself being unable to commit: (parent, why), or None
+        self._parent_blocked: tuple[int, str] | None = None
         #: rows (own and forwarded) and reports waiting to go up
         self._rows: list[dict] = []
         self._reports: list[list] = []
@@ -187,7 +198,8 @@ class Disseminator:
     def start(self) -> None:
         self._wake = asyncio.Event()
         self._tasks = [asyncio.create_task(self._up_loop(), name="commit-up"),
-                       asyncio.create_task(self._resend_loop(), name="commit-resend")]
+                       asyncio.create_task(self._resend_loop(), name="commit-resend"),
+                       asyncio.create_task(self._elect_loop(), name="commit-root")]
 
     async def stop(self) -> None:
         for t in self._tasks:
@@ -195,17 +207,59 @@ class Disseminator:
         await asyncio.gather(*self._tasks, return_exceptions=True)
 
     # -- tree --------------------------------------------------------------------------------
+    @staticmethod
+    async def _no_probe(node: int) -> bool:
+        return False
+
+    @property
+    def view(self) -> View:
+        return self.election.view
+
     def live(self) -> list[int]:
         return sorted(self.alive() | {self.me})
 
     def is_root(self) -> bool:
-        return tree_root(self.live()) == self.me
+        return self.election.is_root()
+
+    def root(self) -> int | None:
+        """The elected root as this node knows it (None while there is none)."""
+        order = self.election.order()
+        return order[0] if order[0] == self.view.root and (order[0] != self.me or self.is_root()) else None
 
     def parent(self) -> int | None:
-        return tree_parent(self.live(), self.me, self.fanout)
+        return _parent_in(self.election.order(), self.me, self.fanout)
 
     def children(self) -> list[int]:
-        return tree_children(self.live(), self.me, self.fanout)
+        return _children_in(self.election.order(), self.me, self.fanout)
+
+    def blocked(self) -> str | None:
+        """Why this node cannot commit now (no elected root it can reach), or None."""
+        if self.is_root():
+            return None
+        e = self.election
+        if not e.has_quorum():
+            return (f"this node sees {len(e.live())} of {e.nodes} nodes alive and a commit root needs a majority "
+                    f"({e.quorum}): steps are held until the network to the others is back (ckpt status on each)")
+        if self.root() is None:
+            return "no commit root elected yet" + (f" ({e.last_failure})" if e.last_failure else "")
+        if self._up_failing is not None and time.monotonic() - self._up_failing[0] > self.resend_after:
+            return f"commit rows cannot reach node {self.parent()}: {self._up_failing[1]}"
+        if self._parent_blocked is not None:
+            return f"node {self._parent_blocked[0]}, this node's way to the root, says: {self._parent_blocked[1]}"
+        return None
+
+    def _elected(self) -> None:
+        """This node won an epoch: its view goes down the tree, and every node's unacked rows come to it."""
+        self.view_changed()
+        asyncio.ensure_future(self._send_down({"view": self.view.to_json()}))
+
+    async def handle_vote(self, body: dict) -> dict:
+        """``POST /v1/vote`` from a candidate root (see :class:`Election`)."""
+        return await self.election.handle_vote(body)
+
+    def _maybe_campaign(self) -> None:
+        if self.election.candidate():
+            self.election.campaign_soon()
 
     # -- up ----------------------------------------------------------------------------------
     def submit(self, rows: list[dict]) -> None:
@@ -247,6 +301,8 @@ class Disseminator:
     def view_changed(self) -> None:
         """The live set changed here: the tree did too, so every unacked row goes up again."""
         self._resend(force=True)
+        if self._wake is not None:
+            self._maybe_campaign()
 
     def _resend(self, force: bool = False) -> None:
         now = time.monotonic()
@@ -263,7 +319,15 @@ class Disseminator:
             await asyncio.sleep(max(0.5, self.resend_after / 4))
             if self.me in self.view.dead:
                 self.report("alive", self.me)  # the root holds this node dead: say it is back
+            self._maybe_campaign()
             self._resend()
+
+    async def _elect_loop(self) -> None:
+        """Campaign whenever this node is first in its tree without being root (at start, once the root is
+        gone); a failed campaign waits ``retry_after`` or more before the next."""
+        while True:
+            self._maybe_campaign()
+            await asyncio.sleep(self.retry_after)
 
     async def _up_loop(self) -> None:
         while True:
@@ -276,13 +340,22 @@ class Disseminator:
             self._wake.clear()
             if not self._rows and not self._reports:
                 continue
+            if self.parent() is None and not self.is_root():
+                # first in the tree but not elected: hold everything until a root is (campaigning now)
+                self._maybe_campaign()
+                await asyncio.sleep(self.retry_after)
+                self._wake.set()
+                continue
             rows, self._rows = _dedupe(self._rows), []
             reports, self._reports = self._reports, []
             try:
                 await self._send_up(rows, reports)
+                self._up_failing = None
             except asyncio.CancelledError:
                 raise
             except Exception as e:  # the rows stay: sent again once the tree changes or after a pause
+                if self._up_failing is None:
+                    self._up_failing = (time.monotonic(), str(e))
                 log.warning("commit rows not sent up (%s); trying again", e)
                 self._rows = rows + self._rows
                 self._reports = reports + self._reports
@@ -294,12 +367,14 @@ class Disseminator:
         if parent is None:  # the root takes its own rows and reports
             await self._take(rows, reports)
             return
-        body: dict = {"rows": rows, "epoch": self.view.epoch}
+        body: dict = {"packed": pack_rows(rows), "epoch": self.view.epoch}
         if reports:
             body["reports"] = reports
         answer = await self.post(parent, "/v1/up", body)
         self.stats.up_sent += 1
         self.stats.rows_sent += len(rows)
+        why = answer.get("blocked")
+        self._parent_blocked = (parent, why) if isinstance(why, str) and why else None
         await self._absorb(answer)
 
     async def _take(self, rows: list[dict], reports: list[list]) -> list[str]:
@@ -309,7 +384,7 @@ class Disseminator:
             changed |= self.on_report(kind, node)
         if changed or frozenset(self.dead()) != self.view.dead:
             # the root's own observations count too (it watches its children and partners)
-            self.view = View(self.view.epoch + 1, frozenset(self.dead()))
+            self.election.bump(frozenset(self.dead()))
             self.view_changed()
             asyncio.ensure_future(self._send_down({"view": self.view.to_json()}))
         late = sorted({(r["job"], r["step"]) for r in rows if (r["job"], r["step"]) in self._committed})
@@ -328,7 +403,7 @@ class Disseminator:
 
     async def handle_up(self, body: dict) -> dict:
         """``POST /v1/up`` from a child: forward toward the root, or take it at the root."""
-        rows = body.get("rows", [])
+        rows = unpack_rows(body["packed"]) if "packed" in body else body.get("rows", [])
         reports = body.get("reports", [])
         if not isinstance(rows, list) or not isinstance(reports, list):
             raise ValueError("rows and reports must be lists")
@@ -337,7 +412,14 @@ class Disseminator:
                     and not isinstance(r[1], bool)):
                 raise ValueError("a report is [\"dead\"|\"alive\", node]")
         self.stats.up_received += 1
+        epoch = body.get("epoch")
+        if isinstance(epoch, int) and not isinstance(epoch, bool) and epoch > self.election.promised:
+            # a child follows a newer epoch than this node: whatever this node was, it is not its root now
+            self.election.note_epoch(epoch)
         answer: dict = {"view": self.view.to_json()}
+        why = self.blocked()
+        if why:  # the rows stop here for now: the child says so to its trainers and in its status
+            answer["blocked"] = why
         if self.is_root():
             answer["manifests"] = await self._take(rows, reports)
         else:
@@ -405,10 +487,31 @@ class Disseminator:
         await self.on_manifest(data)
 
     def _adopt(self, view: View) -> None:
-        if view.epoch > self.view.epoch:
-            self.view = view
+        if self.election.adopt(view):
             self.on_view(view)
             self.view_changed()
+
+
+def pack_rows(rows: list[dict]) -> dict:
+    """Rows as they travel up: the fields every row of the message shares once (job, step, world, values,
+    metadata, node: the same for a node's ranks and mostly for a subtree's), then each row's own fields.
+    Deflated on the wire, a rank costs about its checksum and layout digest."""
+    if not rows:
+        return {"common": {}, "rows": []}
+    first = rows[0]
+    common = {k: v for k, v in first.items() if all(k in r and r[k] == v for r in rows[1:])}
+    if len(rows) == 1:
+        common = {k: v for k, v in first.items() if k in ("job", "step", "world")}
+    return {"common": common, "rows": [{k: v for k, v in r.items() if k not in common} for r in rows]}
+
+
+def unpack_rows(packed: object) -> list[dict]:
+    """The rows of :func:`pack_rows`; ValueError when ``packed`` is not of that form."""
+    if not isinstance(packed, dict) or not isinstance(packed.get("common"), dict) \
+            or not isinstance(packed.get("rows"), list) or not all(isinstance(r, dict) for r in packed["rows"]):
+        raise ValueError("packed rows are {common: {...}, rows: [{...}]}")
+    common = packed["common"]
+    return [{**common, **r} for r in packed["rows"]]
 
 
 def _dedupe(rows: list[dict]) -> list[dict]:

@@ -2,7 +2,8 @@
 
 Routes (``<key>`` is a shard, manifest or layout key of :mod:`tiers.keys`; any other key is a 400)::
 
-    GET    /v1/health            {"node", "version", "time", "bytes_held", "objects"} (heartbeats)
+    GET    /v1/health            {"node", "version", "time", "bytes_held", "objects", "peers"} (heartbeats;
+                                 "peers": the agent's digest of its peers file, where it has one)
     GET    /v1/list?prefix=P[&after=K]
                                  [[key, size], ...] sorted, at most MAX_LIST_KEYS; the answer
                                  carries ``X-Tierckpt-More: 1`` when more keys follow
@@ -318,6 +319,7 @@ class PeerServer:
         on_put: Callable[[str, int], Any] | None = None,
         extra_routes: Iterable[tuple[str, str, Handler]] | None = None,
         metrics_cb: Callable[[], dict[str, float]] | None = None,
+        health_extra: dict[str, Any] | None = None,
         max_skew: float = MAX_SKEW,
         read_timeout: float = READ_IDLE_TIMEOUT,
         handler_timeout: float = HANDLER_TIMEOUT,
@@ -364,6 +366,8 @@ class PeerServer:
         self.max_body = int(max_body)
         self.on_put = on_put
         self.metrics_cb = metrics_cb
+        #: more fields of the health answer (the agent's digest of its peers file)
+        self.health_extra = dict(health_extra or {})
         self.read_timeout = float(read_timeout)
         self.handler_timeout = float(handler_timeout)
         #: extra routes that bound their own time (e.g. a replica pull) instead of ``handler_timeout``
@@ -672,7 +676,7 @@ class PeerServer:
             self._held_at = now
         held, count = self._held_cache
         return web.json_response({"node": self.node, "version": WIRE_VERSION, "time": time.time(),
-                                  "bytes_held": held, "objects": count})
+                                  "bytes_held": held, "objects": count, **self.health_extra})
 
     @staticmethod
     def _page(listed: Iterable[str], size_of: Callable[[str], int], after: str) -> tuple[list[list[Any]], bool]:

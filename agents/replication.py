@@ -37,6 +37,10 @@ class PeerState:
     node: Node
     last_seen: float | None = None
     alive: bool = True
+    #: whether it answered since this node started (until then ``startup_grace`` applies, not ``dead_after``)
+    answered: bool = False
+    #: when (monotonic) it last answered a health check
+    last_answer: float | None = None
     bytes_held: int = 0
     sent_bytes: int = 0
     debt_bytes: int = 0
@@ -53,6 +57,8 @@ class Membership:
     replicas: int
     placement: str
     dead_after: float
+    #: silence allowed a peer that never answered yet (agents start at different times); at least dead_after
+    startup_grace: float = 0.0
     peers: dict[int, PeerState] = field(default_factory=dict)
     #: the peers this node heartbeats (every peer until :meth:`watch` narrows it)
     watched: set[int] = field(default_factory=set)
@@ -72,11 +78,17 @@ class Membership:
     def seen(self, rank: int, bytes_held: int) -> bool:
         """Record a heartbeat answer; True if the peer was dead until now."""
         p = self.peers[rank]
-        p.last_seen = time.monotonic()
+        p.last_seen = p.last_answer = time.monotonic()
         p.bytes_held = bytes_held
+        p.answered = True
         revived = not p.alive
         p.alive = True
         return revived
+
+    def silence_allowed(self, rank: int) -> float:
+        """Seconds peer ``rank`` may be silent before it is declared dead."""
+        p = self.peers[rank]
+        return self.dead_after if p.answered else max(self.dead_after, self.startup_grace)
 
     def sweep(self) -> list[int]:
         """Declare watched peers silent for ``dead_after`` seconds dead; return the newly dead.
@@ -88,7 +100,7 @@ class Membership:
         for r, p in self.peers.items():
             if r not in self.watched:
                 continue
-            if p.alive and (p.last_seen is None or now - p.last_seen > self.dead_after):
+            if p.alive and (p.last_seen is None or now - p.last_seen > self.silence_allowed(r)):
                 p.alive = False
                 dead.append(r)
         return dead
@@ -109,7 +121,9 @@ class Membership:
         now = time.monotonic()
         for r, p in self.peers.items():
             if r in self.watched:
-                if (r in dead) == p.alive:
+                if r in dead and p.alive and (p.last_answer is None or now - p.last_answer > self.dead_after / 2):
+                    p.alive = False  # not heard from lately either: the root's word stands
+                elif (r in dead) == p.alive:
                     reports.append(("alive" if p.alive else "dead", r))
                 continue
             if p.alive and r in dead:
@@ -178,7 +192,7 @@ class PeerLink:
     ``COMPRESS_ABOVE`` bytes are sent deflated (``Content-Type: application/x-tierckpt-deflate``).
     """
 
-    COMPRESS_ABOVE = 4096
+    COMPRESS_ABOVE = 512
 
     def __init__(self, addr: str, *, secret: bytes | None, node: int, timeout: float, ssl_context=None) -> None:
         import threading

@@ -42,6 +42,7 @@ import concurrent.futures
 import contextlib
 import errno
 import functools
+import hashlib
 import json
 import logging
 import os
@@ -53,7 +54,7 @@ from recovery import step_index
 from recovery.inventory import scan_tier
 from tiers import keys
 from tiers.checksum import checksum_file
-from tiers.errors import TierError
+from tiers.errors import KeyNotFoundError, TierError
 from tiers.manifest import encode_group
 from tiers.memory import MemoryTier
 
@@ -140,7 +141,13 @@ class Replicator:
         self.budget = budget
         self.stats = stats
         nodes = load_peer_list(s.peers)
-        self.members = Membership(nodes, s.node_rank, s.replicas, s.placement, s.dead_after)
+        #: what every node's peers file must agree on (addresses and domains, in node order)
+        self.peers_digest = hashlib.sha256(
+            "\n".join(f"{n.addr} {n.domain or ''}" for n in nodes).encode()).hexdigest()[:16]
+        #: nodes whose peers file differs from this node's (named in status and logged once each)
+        self.peers_differ: set[int] = set()
+        self.members = Membership(nodes, s.node_rank, s.replicas, s.placement, s.dead_after,
+                                  startup_grace=s.startup_grace)
         self._secret = load_secret(s.secret_file) if s.secret_file else None
         self._client_ssl = None
         server_ssl = None
@@ -153,6 +160,15 @@ class Replicator:
         self._bucket = TokenBucket(s.peer_bandwidth) if s.peer_bandwidth else None
         self.peer_tiers = peer_tier_map(s, timeout=s.peer_timeout, secret=self._secret,
                                         ssl_context=self._client_ssl, bucket=self._bucket)
+        # heartbeats and probes: one try each, with a deadline of their own, so a peer that does not answer
+        # costs its own beat and nobody else's (a round never waits for the slowest peer)
+        from tiers.peer import PeerTier
+
+        self._beat_deadline = max(0.2, min(s.peer_timeout, s.dead_after / 2))
+        self._beat_tiers = {n.rank: PeerTier(n.addr, secret=self._secret, node=self.me, timeout=self._beat_deadline,
+                                             ssl_context=self._client_ssl, retries=0)
+                            for n in nodes if n.rank != self.me}
+        self._beating: dict[int, asyncio.Future] = {}
         mine = nodes[self.me]
         # control messages (commit tree, heartbeats) get their own threads and one keep-alive link per peer,
         # so neither the peer server (its own threads) nor the drains (the default executor) wait behind them
@@ -161,6 +177,11 @@ class Replicator:
         # outgoing peer requests (which wait on a remote) and pulls served for a peer's fetch (which only wait
         # on the remote's sendfile) each have their own threads: neither can starve the other, nor serving
         self._out_pool = concurrent.futures.ThreadPoolExecutor(16, thread_name_prefix="tierckpt-out")
+        # heartbeats of the watched peers, and probes of dead ones (which may each hold a thread for a whole
+        # deadline): neither waits behind the other, nor behind the commit tree
+        self._beat_pool = concurrent.futures.ThreadPoolExecutor(2 * s.fanout + 2 * s.replicas + 4,
+                                                                thread_name_prefix="tierckpt-beat")
+        self._probe_pool = concurrent.futures.ThreadPoolExecutor(4, thread_name_prefix="tierckpt-probe")
         self._pull_pool = concurrent.futures.ThreadPoolExecutor(8, thread_name_prefix="tierckpt-pull")
         self._links = {n.rank: PeerLink(n.addr, secret=self._secret, node=self.me, timeout=s.peer_timeout,
                                         ssl_context=self._client_ssl) for n in nodes if n.rank != self.me}
@@ -170,15 +191,19 @@ class Replicator:
                                      ssl_context=self._client_ssl)
         self.dis = Disseminator(self.me, alive=self.members.alive, post=self._post, on_rows=book.take_rows,
                                 on_manifest=book.receive_manifest, on_view=self._adopt_view,
-                                on_report=self.members.mark, dead=self.members.dead, fanout=s.fanout,
+                                on_report=self.members.mark, dead=self.members.dead, nodes=len(nodes),
+                                probe=self._probe, quorum=s.quorum or None,
+                                state_file=os.path.join(s.shm, ".election.json"), fanout=s.fanout,
                                 resend_after=s.peer_timeout, retry_after=s.heartbeat)
         book.tree = self.dis
         self.peer_server = PeerServer(
             memory, host=mine.host, port=mine.port, secret=self._secret, node=self.me, ssl_context=server_ssl,
             extra_routes=[("POST", "/v1/up", self._tree_route(self.dis.handle_up)),
+                          ("POST", "/v1/vote", self._tree_route(self.dis.handle_vote)),
                           ("POST", "/v1/down", self._tree_route(self.dis.handle_down)),
                           ("POST", "/v1/fetch", self._http_fetch), ("POST", "/v1/publish", self._http_publish)],
             metrics_cb=metrics, long_paths=("/v1/fetch",), disk=disk_tier(s),
+            health_extra={"peers": self.peers_digest},
         )
         #: copies of local shards to peers still under way, per step (``wait`` waits for them too)
         self._copies: dict[tuple[str, int], set[asyncio.Future]] = {}
@@ -188,6 +213,7 @@ class Replicator:
         self._unpublished: dict[str, tuple[str, str, str, float]] = {}
         self._sources_cache: tuple[frozenset[int], set[int]] | None = None
         self._heal_now: asyncio.Event | None = None
+        self._near_all: set[int] | None = None
         self._tasks: list[asyncio.Task] = []
 
     # ------------------------------------------------------------------ lifecycle
@@ -210,7 +236,9 @@ class Replicator:
         for link in self._links.values():
             link.close()
         self._fetch_links.close()
-        for pool in (self._ctrl_pool, self._out_pool, self._pull_pool):
+        for t in self._beat_tiers.values():
+            t.close()
+        for pool in (self._ctrl_pool, self._out_pool, self._pull_pool, self._beat_pool, self._probe_pool):
             pool.shutdown(wait=False, cancel_futures=True)
 
     def copies(self, job: str, steps: Iterable[int] | None = None) -> list[asyncio.Future]:
@@ -356,6 +384,9 @@ class Replicator:
             log.info("%s copied to node %d: %d bytes in %.3f s", key, r, nbytes, time.perf_counter() - t0)
             return True
         except (TierError, OSError) as e:
+            if isinstance(src, str) and not os.path.exists(src):
+                log.info("%s not copied to node %d: trimmed here meanwhile", key, r)
+                return False
             self._peer_error(r, e)
             return False
         finally:
@@ -424,8 +455,8 @@ class Replicator:
     def _rewatch(self) -> None:
         """Heartbeat only this node's tree neighbours and placement partners: O(fanout + replicas) peers."""
         live = sorted(self.members.alive())
-        watch = set(tree_children(live, self.me, self.settings.fanout))
-        parent = tree_parent(live, self.me, self.settings.fanout)
+        watch = set(self.dis.children())
+        parent = self.dis.parent()
         if parent is not None:
             watch.add(parent)
         watch |= set(self.members.targets(self.me)) | self._sources(frozenset(live))
@@ -509,6 +540,8 @@ class Replicator:
             log.info("%s pulled from node %d: %d bytes in %.3f s", key, src, size, time.perf_counter() - t0)
         except TierFullError as e:
             return web.Response(status=507, text=_one_line(f"no room for {key} on node {self.me}: {e}"))
+        except KeyNotFoundError as e:  # the source trimmed the step meanwhile: nothing to copy, nothing wrong
+            return web.Response(status=410, text=_one_line(f"{key} is gone from node {src}: {e}"))
         except Exception as e:  # noqa: BLE001 - whatever broke the pull is the answer: the peer decides
             if not isinstance(e, (TierError, OSError)):
                 log.warning("pull of %s from node %d failed", key, src, exc_info=e)
@@ -620,35 +653,85 @@ class Replicator:
 
     # ------------------------------------------------------------------ heartbeats and heal
     async def _heartbeat_loop(self) -> None:
-        """Heartbeat the watched peers (tree neighbours, placement partners); report changes to the root."""
-        loop = asyncio.get_running_loop()
+        """Heartbeat the watched peers (tree neighbours, placement partners) and probe the dead ones this node
+        is near, each peer on its own: a beat has a deadline of its own, and the sweep that declares silent
+        peers dead runs every ``heartbeat`` seconds whatever the beats still under way. Changes go to the
+        root."""
         self._rewatch()
         while True:
+            watched = self.members.watched
+            for r in sorted(watched | self._dead_probes()):
+                f = self._beating.get(r)
+                if f is None or f.done():
+                    self._beating[r] = asyncio.ensure_future(
+                        self._beat(r, self._beat_pool if r in watched else self._probe_pool))
             changed = False
-
-            async def beat(r: int) -> None:
-                nonlocal changed
-                try:
-                    h = await loop.run_in_executor(self._ctrl_pool, self.peer_tiers[r].health)
-                    if self.members.seen(r, int(h.get("bytes_held", 0))):
-                        log.info("node %d is back", r)
-                        self.dis.report("alive", r)
-                        changed = True
-                except (TierError, OSError, ValueError) as e:
-                    self.members.peers[r].last_error = str(e)
-
-            await asyncio.gather(*(beat(r) for r in sorted(self.members.watched)))
             for r in self.members.sweep():
                 self.layouts.forget_place(f"node-{r}")
                 log.warning("node %d (%s) declared dead: silent for %.1f s", r, self.members.nodes[r].addr,
-                            self.settings.dead_after)
+                            self.members.silence_allowed(r))
                 self.dis.report("dead", r)
                 changed = True
             if changed:
-                self._rewatch()
-                self.dis.view_changed()
-                self._heal_now.set()
+                self._membership_changed()
             await asyncio.sleep(self.settings.heartbeat)
+
+    async def _health(self, r: int, pool) -> dict:
+        return await asyncio.get_running_loop().run_in_executor(pool, self._beat_tiers[r].health)
+
+    async def _beat(self, r: int, pool) -> bool:
+        """One health check of node ``r``; True when it answered (a dead node that answers is back)."""
+        try:
+            h = await self._health(r, pool)
+        except (TierError, OSError, ValueError) as e:
+            self.members.peers[r].last_error = str(e)
+            return False
+        theirs = h.get("peers")
+        if isinstance(theirs, str) and theirs != self.peers_digest:
+            if r not in self.peers_differ:
+                log.error("node %d (%s) has another peers file than this node (digest %s, here %s): every node "
+                          "needs the same file, in the same order; copy this node's to it and restart its agent",
+                          r, self.members.nodes[r].addr, theirs, self.peers_digest)
+            self.peers_differ.add(r)
+        else:
+            self.peers_differ.discard(r)
+        if self.members.seen(r, int(h.get("bytes_held", 0) or 0)):
+            log.info("node %d (%s) is back", r, self.members.nodes[r].addr)
+            self.dis.report("alive", r)
+            self._membership_changed()
+        return True
+
+    async def _probe(self, r: int) -> bool:
+        """Whether node ``r`` answers now (asked by a vote for the commit root)."""
+        if r not in self._beat_tiers:
+            return False
+        return await self._beat(r, self._probe_pool)
+
+    def _membership_changed(self) -> None:
+        self._rewatch()
+        self.dis.view_changed()
+        if self._heal_now is not None:
+            self._heal_now.set()
+
+    def _dead_probes(self) -> set[int]:
+        """The dead nodes this node probes until they answer: its neighbours and placement partners as if
+        every node were alive, and every dead node while this node is root or sees no root (a node cut off
+        from the others probes them all, so it finds its way back)."""
+        dead = self.members.dead()
+        if not dead:
+            return set()
+        if self.dis.is_root() or self.dis.root() is None:
+            return dead
+        near = self._near_all
+        if near is None:
+            everyone = sorted(n.rank for n in self.members.nodes)
+            near = set(tree_children(everyone, self.me, self.settings.fanout))
+            parent = tree_parent(everyone, self.me, self.settings.fanout)
+            near |= {parent} if parent is not None else set()
+            near |= {r for r in self.members.desired(self.me, set(everyone))}
+            near |= {r for r in everyone if self.me in self.members.desired(r, set(everyone))}
+            near = self._near_all = near - {self.me}
+        return dead & near
 
     async def _heal_loop(self) -> None:
         """Keep ``replicas`` copies of every retained step's shards on live nodes (re-replicate, refill)."""
@@ -723,6 +806,8 @@ class Replicator:
                             if not await self._push_layout(r, job, sh.layout):
                                 continue
                             held[r].add(keys.layout_key(job, sh.layout))
+                        if not os.path.exists(self.memory.path(key)):
+                            break  # trimmed here since the scan: a step on its way out is not copied again
                         if head:
                             got = await self._push(r, hkey, self.memory.path(key), sh.unique[0], sh.unique[1])
                         else:
@@ -751,8 +836,12 @@ class Replicator:
     def tree_status(self) -> dict | None:
         """This node's place in the commit tree and its control traffic."""
         d = self.dis
-        return {"live": d.live(), "root": min(d.live()), "parent": d.parent(), "children": d.children(),
-                "epoch": d.view.epoch, "dead": sorted(d.view.dead), "watched": sorted(self.members.watched),
+        e = d.election
+        return {"live": d.live(), "root": d.root(), "is_root": d.is_root(), "parent": d.parent(),
+                "children": d.children(), "epoch": d.view.epoch, "seq": d.view.seq, "promised": e.promised,
+                "quorum": e.quorum, "nodes": e.nodes, "campaigns": e.campaigns, "won_epochs": e.won_epochs[-8:],
+                "blocked": d.blocked(), "peers_file_differs": sorted(self.peers_differ),
+                "dead": sorted(d.view.dead), "watched": sorted(self.members.watched),
                 "stats": {k: v for k, v in vars(d.stats).items() if isinstance(v, int)},
                 "sent": sum(link.sent for link in self._links.values()),
                 "sent_bytes": sum(link.sent_bytes for link in self._links.values())}

@@ -168,7 +168,7 @@ def cmd_agent(a: argparse.Namespace) -> int:
              "secret_file": a.secret_file, "replicas": a.replicas,
              "placement": a.placement, "peer_bandwidth": a.peer_bandwidth, "heartbeat": a.heartbeat,
              "dead_after": a.dead_after, "tls_cert": a.tls_cert, "tls_key": a.tls_key, "tls_ca": a.tls_ca,
-             "prefetch": a.prefetch}
+             "prefetch": a.prefetch, "startup_grace": a.startup_grace, "quorum": a.quorum}
     s = _settings(a, extra)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     from agents.peer_server import PeerServerError
@@ -209,6 +209,17 @@ def cmd_status(a: argparse.Namespace) -> int:
                          _fmt_bytes(p["bytes_held"]), _fmt_bytes(p["debt_bytes"]),
                          "yes" if p["replicates_to"] else "-", str(p["errors"])])
         print(_table(rows))
+    tree = st.get("tree")
+    if tree:
+        root = tree.get("root")
+        print(f"commit root: {'this node' if tree.get('is_root') else ('none' if root is None else f'node {root}')}"
+              f"  epoch {tree.get('epoch')}  quorum {tree.get('quorum')} of {tree.get('nodes')}"
+              f"  live {len(tree.get('live', []))}")
+        if tree.get("blocked"):
+            print(f"CANNOT COMMIT: {tree['blocked']}")
+        if tree.get("peers_file_differs"):
+            print(f"PEERS FILE DIFFERS on node(s) {', '.join(map(str, tree['peers_file_differs']))}: every node needs "
+                  "the same peers file, in the same order")
     return 0
 
 
@@ -882,6 +893,9 @@ def build_parser() -> argparse.ArgumentParser:
     ag.add_argument("--peer-bandwidth", type=int, help="cap on replication traffic, bytes/s")
     ag.add_argument("--heartbeat", type=float, help="seconds between heartbeats")
     ag.add_argument("--dead-after", type=float, help="seconds of silence before a peer is declared dead")
+    ag.add_argument("--startup-grace", type=float,
+                    help="seconds a peer that has not answered yet has before it is declared dead (default 60)")
+    ag.add_argument("--quorum", type=int, help="votes that elect the commit root (default: a majority of the peers)")
     ag.add_argument("--no-prefetch", dest="prefetch", action="store_false", default=None,
                     help="at start, do not pull this node's shards of the newest steps from its peers")
     ag.add_argument("--tls-cert")

@@ -75,12 +75,12 @@ def write_secret(path: str) -> str:
 
 
 def start_agent(shm: str, *args: str, log: str | None = None, extra_env: dict | None = None,
-                socket: str | None = None) -> subprocess.Popen:
+                socket: str | None = None, prefix: list[str] | None = None) -> subprocess.Popen:
     """Start ``ckpt agent --shm SHM ARGS`` and wait until it answers (on ``socket``, when ARGS name one); its
-    output goes to ``proc.log_path``."""
+    output goes to ``proc.log_path``. ``prefix`` runs it through another command (``ip netns exec NS``)."""
     log = log or os.path.join(os.path.dirname(shm), f"agent-{time.monotonic_ns()}.log")
     logf = open(log, "ab")
-    proc = subprocess.Popen([sys.executable, "-m", "ckpt.cli", "agent", "--shm", shm, *args],
+    proc = subprocess.Popen([*(prefix or []), sys.executable, "-m", "ckpt.cli", "agent", "--shm", shm, *args],
                             stdout=logf, stderr=subprocess.STDOUT, env=env(**(extra_env or {})))
     proc.log_path = log
     deadline = time.monotonic() + 30

@@ -14,7 +14,8 @@ import time
 
 import pytest
 
-from agents.dissemination import Disseminator, View, tree_children, tree_parent, tree_root
+from agents.dissemination import Disseminator, View, pack_rows, tree_children, tree_parent, tree_root, unpack_rows
+from agents.replication import encode_body
 
 
 def test_tree_covers_every_live_node_once_with_bounded_fanout():
@@ -45,22 +46,37 @@ class Net:
         self.ups: dict[int, int] = {i: 0 for i in range(n)}
         self.down: set[int] = set()  # unreachable (killed) nodes
         self.lost_down: set[tuple[int, int]] = set()  # (from, to) whose messages down the tree are lost
+        self.cut: set[tuple[int, int]] = set()  # pairs of nodes that cannot reach each other (a partition)
         self.alive_view = {i: set(range(n)) for i in range(n)}
         self.committed: dict[int, dict[tuple[str, int], bytes]] = {i: {} for i in range(n)}
         self.rows: dict[int, dict[tuple[str, int], dict[int, dict]]] = {i: {} for i in range(n)}
         self.posts: dict[int, int] = {i: 0 for i in range(n)}
+        self.votes: dict[int, int] = {i: 0 for i in range(n)}
+        self.up_bytes: dict[int, int] = {i: 0 for i in range(n)}
         self.resend_after = resend_after
         self.nodes = {i: self._make(i, fanout) for i in range(n)}
 
     def _make(self, i: int, fanout: int) -> Disseminator:
         async def post(r: int, path: str, body: dict) -> dict:
-            self.posts[i] += 1
+            if path == "/v1/vote":
+                self.votes[i] += 1  # the root's election: once, not per step
+            else:
+                self.posts[i] += 1
+            if path == "/v1/up":
+                self.up_bytes[r] += len(encode_body(body)[0])  # as the link would send it
             self.ups[i] += path == "/v1/up"
             if r in self.down or i in self.down or (path == "/v1/down" and (i, r) in self.lost_down):
                 raise ConnectionError(f"node {r} unreachable")
+            if (i, r) in self.cut or (r, i) in self.cut:
+                raise ConnectionError(f"node {r} unreachable from node {i}")
             body = json.loads(json.dumps(body))  # as over the wire
             d = self.nodes[r]
+            if path == "/v1/vote":
+                return await d.handle_vote(body)
             return await (d.handle_up(body) if path == "/v1/up" else d.handle_down(body))
+
+        async def probe(r: int) -> bool:
+            return r not in self.down and i not in self.down and (i, r) not in self.cut and (r, i) not in self.cut
 
         async def on_rows(rows: list[dict]) -> None:
             for row in rows:
@@ -95,7 +111,8 @@ class Net:
 
         return Disseminator(i, alive=lambda: self.alive_view[i], post=post, on_rows=on_rows,
                             on_manifest=on_manifest, on_view=adopt, on_report=mark,
-                            dead=lambda: set(range(self.n)) - self.alive_view[i], fanout=fanout,
+                            dead=lambda: set(range(self.n)) - self.alive_view[i], nodes=self.n, probe=probe,
+                            fanout=fanout,
                             resend_after=self.resend_after, retry_after=0.05, linger=self.linger,
                             hold=self.hold)
 
@@ -132,6 +149,10 @@ def test_every_node_commits_the_same_manifest_and_sends_a_bounded_number_of_mess
         net = Net(13, fanout=3, resend_after=3600)  # nothing is lost here: no resend may inflate the count
         net.start()
         try:
+            # the root's election comes first, once: every node follows node 0's epoch, then steps are counted
+            await net.wait(lambda: all(d.view.root == 0 for d in net.nodes.values()), "node 0 elected root")
+            assert net.nodes[0].is_root() and not any(net.nodes[i].is_root() for i in range(1, 13))
+            net.posts = {i: 0 for i in range(net.n)}
             for step in range(4):
                 net.commit(step)
                 await net.wait(lambda s=step: all((("j", s) in net.committed[i]) for i in range(net.n)),
@@ -331,3 +352,128 @@ def test_root_agent_killed_mid_commit_the_survivors_keep_committed_steps_and_com
         assert not os.path.exists(manifest(i, 2))  # rank 0 never committed step 2: it never completes
     st = agent_call(c.shm(2), "status")
     assert st["tree"]["root"] == 1 and 0 not in st["tree"]["live"], st["tree"]
+
+
+def _partition(net: Net, side_a: set[int], side_b: set[int]) -> None:
+    """Cut every link between the two sides; each node concludes (as its heartbeats would) that the other
+    side is dead."""
+    net.cut |= {(a, b) for a in side_a for b in side_b}
+    for mine, other in ((side_a, side_b), (side_b, side_a)):
+        for i in mine:
+            net.alive_view[i] -= other
+            net.nodes[i].view_changed()
+
+
+def _heal(net: Net) -> None:
+    net.cut.clear()
+    for i in range(net.n):
+        net.alive_view[i] = set(range(net.n))
+        net.nodes[i].view_changed()
+
+
+def _roots_by_epoch(net: Net) -> dict[int, set[int]]:
+    out: dict[int, set[int]] = {}
+    for i, d in net.nodes.items():
+        for epoch in d.election.won_epochs:
+            out.setdefault(epoch, set()).add(i)
+    return out
+
+
+def test_a_partition_leaves_one_root_per_epoch_and_the_minority_says_why_it_cannot_commit():
+    async def run() -> None:
+        net = Net(5, fanout=2)
+        net.start()
+        try:
+            net.commit(1)
+            await net.wait(lambda: all(("j", 1) in net.committed[i] for i in range(5)), "step 1")
+            _partition(net, {0, 1}, {2, 3, 4})
+            # the majority side elects node 2; node 0 (root until now) stands down, having no quorum
+            await net.wait(lambda: net.nodes[2].is_root(), "node 2 elected")
+            assert not net.nodes[0].is_root() and not net.nodes[1].is_root()
+            for i in (0, 1):
+                assert "2 of 5 nodes alive" in (net.nodes[i].blocked() or ""), net.nodes[i].blocked()
+            assert net.nodes[3].blocked() is None
+            # a job running on the majority side (3 ranks) commits; the minority's rows of a step stay held
+            for r, node in enumerate((2, 3, 4)):
+                net.nodes[node].submit([{"job": "k", "step": 7, "rank": r, "world": 3, "checksum": f"k7-{r}"}])
+            net.nodes[0].submit([{"job": "m", "step": 7, "rank": 0, "world": 2, "checksum": "m7-0"}])
+            net.nodes[1].submit([{"job": "m", "step": 7, "rank": 1, "world": 2, "checksum": "m7-1"}])
+            await net.wait(lambda: all(("k", 7) in net.committed[i] for i in (2, 3, 4)), "k step 7")
+            await asyncio.sleep(0.5)
+            assert not any(("m", 7) in net.committed[i] for i in range(5))
+            _heal(net)
+            # one root again, and the held step commits once the minority's rows reach it
+            await net.wait(lambda: all(("m", 7) in net.committed[i] for i in (0, 1)), "m step 7 after healing")
+            net.commit(8)
+            await net.wait(lambda: all(("j", 8) in net.committed[i] for i in range(5)), "step 8 everywhere")
+            assert len({net.committed[i][("j", 8)] for i in range(5)}) == 1
+            roots = [i for i in range(5) if net.nodes[i].is_root()]
+            assert len(roots) == 1, roots
+            by_epoch = _roots_by_epoch(net)
+            assert by_epoch and all(len(r) == 1 for r in by_epoch.values()), by_epoch
+        finally:
+            await net.stop()
+
+    asyncio.run(run())
+
+
+def test_a_cut_off_node_never_takes_over_while_the_others_reach_the_root():
+    """Node 1 loses its link to node 0 only: it sees 0 dead and campaigns, but 2, 3 and 4 still reach 0,
+    so they refuse it; the root stays, node 1 says why its rows are held, and once the link is back the
+    held step commits."""
+    async def run() -> None:
+        net = Net(5, fanout=2)
+        net.start()
+        try:
+            await net.wait(lambda: all(d.view.root == 0 for d in net.nodes.values()), "node 0 elected")
+            net.cut |= {(1, 0)}
+            net.alive_view[1].discard(0)
+            net.nodes[1].view_changed()
+            net.commit(2)
+            await net.wait(lambda: net.nodes[1].election.campaigns >= 2, "node 1 campaigns")
+            assert net.nodes[0].is_root() and not net.nodes[1].is_root()
+            assert "still reaches node 0" in net.nodes[1].election.last_failure, net.nodes[1].election.last_failure
+            assert "no commit root" in (net.nodes[1].blocked() or ""), net.nodes[1].blocked()
+            assert _roots_by_epoch(net) == {1: {0}}
+            _heal(net)
+            await net.wait(lambda: all(("j", 2) in net.committed[i] for i in range(5)), "step 2 everywhere")
+            assert _roots_by_epoch(net) == {1: {0}}
+        finally:
+            await net.stop()
+
+    asyncio.run(run())
+
+
+def test_the_root_receives_at_most_64_bytes_a_rank_per_step_at_1024_ranks():
+    """128 nodes of 8 ranks: every row as the agent makes it (a random checksum and layout digest per rank),
+    packed and deflated on the way up. The root's intake per step stays under 64 KB."""
+    async def run() -> None:
+        net = Net(128, fanout=8, resend_after=3600, linger=0.02)
+        net.start()
+        try:
+            await net.wait(lambda: all(d.view.root == 0 for d in net.nodes.values()), "node 0 elected root")
+            net.up_bytes = {i: 0 for i in range(net.n)}
+            for node in range(128):
+                net.nodes[node].submit([
+                    {"job": "big", "step": 40, "rank": 8 * node + k, "world": 1024, "nbytes": 1 << 30,
+                     "layout": os.urandom(16).hex(), "values": [["step", 40], ["lr", 3e-4]],
+                     "checksum": f"xxh3_64:{os.urandom(8).hex()}", "save_index": 40, "metadata": None,
+                     "node": node} for k in range(8)])
+            await net.wait(lambda: ("big", 40) in net.committed[0], "step 40 at the root", timeout=120)
+            assert len(json.loads(net.committed[0][("big", 40)])["sums"]) == 1024
+            print(f"root intake per step at 1024 ranks: {net.up_bytes[0]} bytes")
+            assert net.up_bytes[0] <= 64 * 1024, net.up_bytes[0]
+        finally:
+            await net.stop()
+
+    asyncio.run(run())
+
+
+def test_packed_rows_come_back_as_they_went():
+    rows = [{"job": "j", "step": 3, "rank": r, "world": 4, "checksum": f"c{r}", "node": r // 2} for r in range(4)]
+    assert unpack_rows(pack_rows(rows)) == rows
+    assert unpack_rows(pack_rows(rows[:1])) == rows[:1]
+    assert unpack_rows(pack_rows([])) == []
+    for bad in (None, [], {"common": [], "rows": []}, {"common": {}, "rows": [1]}):
+        with pytest.raises(ValueError):
+            unpack_rows(bad)

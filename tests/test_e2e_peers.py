@@ -305,3 +305,33 @@ def test_a_corrupt_peer_copy_read_straight_into_the_tensors_falls_back_to_disk(c
         assert ck.restore({"model": fresh}) == 1
         assert ck.last_restore.tiers == ["disk"]
     assert torch.equal(fresh.weight, model.weight) and torch.equal(fresh.bias, model.bias)
+
+
+def test_a_node_with_another_peers_file_is_named_in_status_and_the_log(tmp_path):
+    """Node 1's peers file labels the nodes with domains that node 0's does not: placement would differ
+    between them, so node 0 says so, naming node 1, in `ckpt status` and its log."""
+    secret = write_secret(str(tmp_path / "secret"))
+    ports = [free_port(), free_port()]
+    files = []
+    for i, extra in enumerate(("", " domain=rack-a")):
+        path = str(tmp_path / f"peers{i}.txt")
+        with open(path, "w") as f:
+            f.writelines(f"127.0.0.1:{p}{extra}\n" for p in ports)
+        files.append(path)
+    shm = [str(tmp_path / f"node{i}" / "shm") for i in range(2)]
+    agents = []
+    try:
+        for i in range(2):
+            os.makedirs(os.path.dirname(shm[i]))
+            agents.append(start_agent(shm[i], "--node-rank", str(i), "--peers", files[i], "--secret-file", secret,
+                                      *FAST))
+        deadline = time.monotonic() + 60
+        while agent_call(shm[0], "status")["tree"]["peers_file_differs"] != [1]:
+            assert time.monotonic() < deadline, agent_call(shm[0], "status")["tree"]
+            time.sleep(0.1)
+        out = ckpt_cmd("status", "--shm", shm[0]).stdout
+        assert "PEERS FILE DIFFERS on node(s) 1" in out, out
+        assert "node 1 (127.0.0.1:" in open(agents[0].log_path).read()
+    finally:
+        for a in agents:
+            kill9(a)
