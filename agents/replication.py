@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 from .placement import Node, parse_peers, placement_order, replica_targets
 
-__all__ = ["DEFLATED_JSON", "SharedBody", "encode_body", "LinkPool", "PeerLink", "placement_partners", "PeerState", "Membership", "load_peer_list"]
+__all__ = ["DEFLATED_JSON", "SharedBody", "encode_body", "LinkPool", "PeerLink", "placement_partners", "PeerState", "Membership", "find_own_rank", "load_peer_list"]
 
 
 def load_peer_list(spec: str) -> list[Node]:
@@ -28,6 +28,38 @@ def load_peer_list(spec: str) -> list[Node]:
         with open(spec) as f:
             return parse_peers(f.read())
     return parse_peers(spec)
+
+
+def find_own_rank(nodes: list[Node]) -> int:
+    """The rank of the one node whose address belongs to this machine (an address this machine can bind).
+
+    Raises PeerListError (a ValueError) when none does, or several do (loopback addresses, or a host name
+    that resolves here more than once): then the rank must be given."""
+    import socket
+
+    from .placement import PeerListError
+
+    mine = []
+    for n in nodes:
+        try:
+            infos = socket.getaddrinfo(n.host, None, type=socket.SOCK_STREAM)
+        except socket.gaierror:
+            continue
+        for family, _, _, _, addr in infos:
+            with socket.socket(family, socket.SOCK_STREAM) as sock:
+                try:
+                    sock.bind((addr[0], 0))
+                except OSError:
+                    continue
+            mine.append(n)
+            break
+    if len(mine) == 1:
+        return mine[0].rank
+    if not mine:
+        raise PeerListError("no line of the peers file names an address of this machine: add this node's "
+                            "host:port to the file (the same file on every node), or give --node-rank")
+    raise PeerListError(f"{len(mine)} lines of the peers file name addresses of this machine "
+                        f"({', '.join(n.addr for n in mine[:4])}): give --node-rank")
 
 
 @dataclass

@@ -158,18 +158,38 @@ def _require_job(job: str, places: list, found: bool, jobs_in) -> None:
             "check the job name and --shm/--disk/--s3")
 
 
+def _node_rank(text: str) -> int | str:
+    if text == "auto":
+        return text
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is neither a node rank (0, 1, ...) nor 'auto'") from None
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"a node rank is >= 0, got {v}")
+    return v
+
+
 # ---------------------------------------------------------------------- commands
 def cmd_agent(a: argparse.Namespace) -> int:
     from agents.daemon import run_agent
 
     extra = {"disk_every": a.disk_every, "s3_every": a.s3_every, "keep_memory": a.keep_memory,
              "keep_disk": a.keep_disk, "keep_s3": a.keep_s3, "compress": True if a.compress else None,
-             "disk_whole": True if a.disk_whole else None, "node_rank": a.node_rank, "peers": a.peers,
+             "disk_whole": True if a.disk_whole else None,
+             "node_rank": None if a.node_rank == "auto" else a.node_rank, "peers": a.peers,
              "secret_file": a.secret_file, "replicas": a.replicas,
              "placement": a.placement, "peer_bandwidth": a.peer_bandwidth, "heartbeat": a.heartbeat,
              "dead_after": a.dead_after, "tls_cert": a.tls_cert, "tls_key": a.tls_key, "tls_ca": a.tls_ca,
              "prefetch": a.prefetch, "startup_grace": a.startup_grace, "quorum": a.quorum}
     s = _settings(a, extra)
+    if a.node_rank == "auto":
+        from agents.replication import find_own_rank, load_peer_list
+
+        if not s.peers:
+            raise SettingsError("--node-rank auto finds this machine's line in the peers file: give --peers")
+        s.node_rank = find_own_rank(load_peer_list(s.peers))
+        s.validate()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     from agents.peer_server import PeerServerError
 
@@ -875,7 +895,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     ag = sub.add_parser("agent", help="run this node's checkpoint agent (foreground)")
     _tier_flags(ag)
-    ag.add_argument("--node-rank", type=int)
+    ag.add_argument("--node-rank", type=_node_rank,
+                    help="this node's line in the peers file, from 0; 'auto': the line whose address is this "
+                         "machine's (a DaemonSet or an sbatch script starts the same command on every node)")
     ag.add_argument("--disk-every", type=int, help="write every Nth save to disk")
     ag.add_argument("--s3-every", type=int, help="write every Nth save to S3")
     ag.add_argument("--keep-memory", type=int)

@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import logging
 
+import pytest
+
 from agents.config import Settings
 from agents.daemon import Agent, _Conn
 from tiers import keys
@@ -144,3 +146,15 @@ class _Tree:
 
     def broadcast(self, data) -> None:
         pass
+
+
+def test_node_rank_auto_finds_the_one_line_with_an_address_of_this_machine():
+    from agents.placement import PeerListError, parse_peers
+    from agents.replication import find_own_rank
+
+    # 198.51.100.0/24 is reserved for documentation (a test machine may well have 192.0.2.x)
+    assert find_own_rank(parse_peers("198.51.100.1:7700\n127.0.0.1:7700\n198.51.100.3:7700")) == 1
+    with pytest.raises(PeerListError, match="no line of the peers file"):
+        find_own_rank(parse_peers("198.51.100.1:7700\n198.51.100.2:7700"))
+    with pytest.raises(PeerListError, match="2 lines of the peers file.*give --node-rank"):
+        find_own_rank(parse_peers("127.0.0.1:7700\n127.0.0.1:7701"))

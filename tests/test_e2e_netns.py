@@ -57,7 +57,8 @@ class NetCluster:
 
     def start(self, i: int) -> None:
         os.makedirs(os.path.dirname(self.shm(i)), exist_ok=True)
-        self.procs[i] = start_agent(self.shm(i), "--node-rank", str(i), "--peers", self.peers, "--secret-file",
+        # every node runs the same command: its rank is the line of the peers file with its own address
+        self.procs[i] = start_agent(self.shm(i), "--node-rank", "auto", "--peers", self.peers, "--secret-file",
                                     self.secret, *ARGS, prefix=self.hosts.prefix(i))
 
     def status(self, i: int) -> dict:
