@@ -178,6 +178,16 @@ class Membership:
             return True
         return False
 
+    def replace(self, node: Node) -> None:
+        """Node ``node.rank`` is another machine now (a new address or domain): it starts over as a peer that
+        has not answered yet, and placement is computed again when its domain changed."""
+        old = self.nodes[node.rank]
+        self.nodes[node.rank] = node
+        self.peers[node.rank] = PeerState(node, last_seen=time.monotonic(), alive=True)
+        if old.domain != node.domain:
+            self._order = placement_order(self.nodes)
+            self._base.clear()
+
     def dead(self) -> set[int]:
         return {r for r, p in self.peers.items() if not p.alive}
 
@@ -340,9 +350,22 @@ class LinkPool:
             with self._cond:
                 if self._closed:
                     link.close()
+                elif link.addr != self._addrs[r]:  # the node moved meanwhile
+                    link.close()
+                    self._open[r] -= 1
                 else:
                     self._idle[r].append(link)
                 self._cond.notify()
+
+    def readdress(self, r: int, addr: str) -> None:
+        """Node ``r`` is at ``addr`` from now on: its idle links close, links in use close when returned."""
+        with self._cond:
+            self._addrs[r] = addr
+            for link in self._idle[r]:
+                link.close()
+            self._open[r] -= len(self._idle[r])
+            self._idle[r] = []
+            self._cond.notify_all()
 
     def close(self) -> None:
         with self._cond:

@@ -79,6 +79,18 @@ MAX_CONTROL_BODY = 64 << 20
 #: (then published once both agree); smaller ones wait for the checksum and need no publish request
 OVERLAP_CHECKSUM_ABOVE = 4 << 20
 
+def _digest(nodes) -> str:
+    return hashlib.sha256("\n".join(f"{n.addr} {n.domain or ''}" for n in nodes).encode()).hexdigest()[:16]
+
+
+def _stat(path: str | None) -> tuple[int, int] | None:
+    try:
+        st = os.stat(path) if path else None
+    except OSError:
+        return None
+    return None if st is None else (st.st_mtime_ns, st.st_size)
+
+
 def _one_line(text: str) -> str:
     """An HTTP refusal's body: one line (an error's own newlines folded), ending in a newline."""
     return " ".join(text.split()) + "\n"
@@ -142,8 +154,8 @@ class Replicator:
         self.stats = stats
         nodes = load_peer_list(s.peers)
         #: what every node's peers file must agree on (addresses and domains, in node order)
-        self.peers_digest = hashlib.sha256(
-            "\n".join(f"{n.addr} {n.domain or ''}" for n in nodes).encode()).hexdigest()[:16]
+        self.peers_digest = _digest(nodes)
+        self._peers_stat = _stat(s.peers)
         #: nodes whose peers file differs from this node's (named in status and logged once each)
         self.peers_differ: set[int] = set()
         self.members = Membership(nodes, s.node_rank, s.replicas, s.placement, s.dead_after,
@@ -674,7 +686,59 @@ class Replicator:
                 changed = True
             if changed:
                 self._membership_changed()
+            now_stat = _stat(self.settings.peers)
+            if now_stat != self._peers_stat:
+                self._peers_stat = now_stat
+                self.reload_peers()
             await asyncio.sleep(self.settings.heartbeat)
+
+    def reload_peers(self) -> list[int]:
+        """Read the peers file again and take in the nodes whose address or domain changed (a node replaced
+        by a machine at a new address): links, clients and placement follow, and the new machine gets a
+        start-up grace. Adding or removing nodes needs every agent restarted. Returns the nodes taken in."""
+        from tiers.peer import PeerTier
+
+        from .placement import PeerListError
+
+        try:
+            new = load_peer_list(self.settings.peers)
+        except (OSError, PeerListError) as e:
+            log.error("the peers file %s cannot be read again (%s): keeping the %d nodes this agent knows",
+                      self.settings.peers, e, len(self.members.nodes))
+            return []
+        old = self.members.nodes
+        if len(new) != len(old):
+            log.error("the peers file now lists %d nodes, this agent runs with %d: only a node's address or domain "
+                      "can change while the agents run; adding or removing a node needs every agent restarted",
+                      len(new), len(old))
+            return []
+        if new[self.me].addr != old[self.me].addr:
+            log.error("the peers file now gives this node (%d) the address %s, it serves %s: restart this agent "
+                      "to move it", self.me, new[self.me].addr, old[self.me].addr)
+            return []
+        moved = [n for n in new if n.rank != self.me and (n.addr, n.domain) != (old[n.rank].addr, old[n.rank].domain)]
+        s = self.settings
+        for n in moved:
+            log.warning("node %d is %s now (was %s): taking in the new machine", n.rank, n.addr, old[n.rank].addr)
+            self.members.replace(n)
+            self._links[n.rank].close()
+            self._links[n.rank] = PeerLink(n.addr, secret=self._secret, node=self.me, timeout=s.peer_timeout,
+                                           ssl_context=self._client_ssl)
+            self._fetch_links.readdress(n.rank, n.addr)
+            self.peer_tiers[n.rank].close()
+            self.peer_tiers[n.rank] = peer_tier_map(s, timeout=s.peer_timeout, secret=self._secret,
+                                                    ssl_context=self._client_ssl, bucket=self._bucket,
+                                                    only={n.rank})[n.rank]
+            self._beat_tiers[n.rank].close()
+            self._beat_tiers[n.rank] = PeerTier(n.addr, secret=self._secret, node=self.me,
+                                                timeout=self._beat_deadline, ssl_context=self._client_ssl, retries=0)
+            self.layouts.forget_place(f"node-{n.rank}")  # a new machine holds none of the job's layouts
+            self.peers_differ.discard(n.rank)
+        self.peers_digest = _digest(self.members.nodes)
+        self.peer_server.health_extra["peers"] = self.peers_digest
+        if moved:
+            self._membership_changed()
+        return [n.rank for n in moved]
 
     async def _health(self, r: int, pool) -> dict:
         return await asyncio.get_running_loop().run_in_executor(pool, self._beat_tiers[r].health)

@@ -55,20 +55,29 @@ class Hosts:
                 self.made_links.append(br)
                 _ip("link", "set", br, "up")
             for i in range(n):
-                ns, host, inner = self.ns(i), f"{self.tag}v{i}", f"{self.tag}i{i}"
-                _ip("netns", "add", ns)
-                self.made_ns.append(ns)
-                _ip("link", "add", host, "type", "veth", "peer", "name", inner)
-                self.made_links.append(host)
-                _ip("link", "set", inner, "netns", ns)
-                _ip("-n", ns, "addr", "add", f"{self.addr(i)}/24", "dev", inner)
-                _ip("-n", ns, "link", "set", inner, "up")
-                _ip("-n", ns, "link", "set", "lo", "up")
-                _ip("link", "set", host, "master", self.bridges[0])
-                _ip("link", "set", host, "up")
+                self._host(i)
         except BaseException:
             self.close()
             raise
+
+    def _host(self, i: int) -> None:
+        ns, host, inner = self.ns(i), f"{self.tag}v{i}", f"{self.tag}i{i}"
+        _ip("netns", "add", ns)
+        self.made_ns.append(ns)
+        _ip("link", "add", host, "type", "veth", "peer", "name", inner)
+        self.made_links.append(host)
+        _ip("link", "set", inner, "netns", ns)
+        _ip("-n", ns, "addr", "add", f"{self.addr(i)}/24", "dev", inner)
+        _ip("-n", ns, "link", "set", inner, "up")
+        _ip("-n", ns, "link", "set", "lo", "up")
+        _ip("link", "set", host, "master", self.bridges[0])
+        _ip("link", "set", host, "up")
+
+    def add(self) -> int:
+        """One more host on the bridge (a replacement machine, at a new address); returns its index."""
+        self._host(self.n)
+        self.n += 1
+        return self.n - 1
 
     def ns(self, i: int) -> str:
         return f"{self.tag}n{i}"

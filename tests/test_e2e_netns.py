@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import threading
 import time
 
@@ -41,8 +42,8 @@ class NetCluster:
         self.hosts = Hosts(n)
         self.n = n
         self.peers = str(root / "peers.txt")
-        with open(self.peers, "w") as f:
-            f.writelines(f"{self.hosts.addr(i)}:{PORT}\n" for i in range(n))
+        self.moved = {}
+        self.write_peers()
         self.secret = write_secret(str(root / "secret"))
         self.procs: dict[int, object] = {}
         try:
@@ -53,13 +54,34 @@ class NetCluster:
             raise
 
     def shm(self, i: int) -> str:
-        return str(self.root / f"node{i}" / "shm")
+        return str(self.root / f"node{i}" / "shm") if i not in self.moved else str(self.root / f"node{i}-new" / "shm")
+
+    moved: dict[int, int] = {}
+
+    def host(self, i: int) -> int:
+        """The namespace node ``i`` runs in (another one once it was replaced)."""
+        return self.moved.get(i, i)
+
+    def write_peers(self) -> None:
+        tmp = self.peers + ".tmp"
+        with open(tmp, "w") as f:
+            f.writelines(f"{self.hosts.addr(self.host(i))}:{PORT}\n" for i in range(self.n))
+        os.replace(tmp, self.peers)  # each agent reads a whole file, old or new
 
     def start(self, i: int) -> None:
         os.makedirs(os.path.dirname(self.shm(i)), exist_ok=True)
         # every node runs the same command: its rank is the line of the peers file with its own address
         self.procs[i] = start_agent(self.shm(i), "--node-rank", "auto", "--peers", self.peers, "--secret-file",
-                                    self.secret, *ARGS, prefix=self.hosts.prefix(i))
+                                    self.secret, *ARGS, prefix=self.hosts.prefix(self.host(i)))
+
+    def replace(self, i: int) -> None:
+        """Node ``i``'s machine is lost (agent killed, memory gone); a new machine at a new address takes
+        its line in the peers file, and its agent starts there. The other agents keep running."""
+        kill9(self.procs.pop(i))
+        shutil.rmtree(self.shm(i))
+        self.moved = {**self.moved, i: self.hosts.add()}
+        self.write_peers()
+        self.start(i)
 
     def status(self, i: int) -> dict:
         return agent_call(self.shm(i), "status")
@@ -206,6 +228,30 @@ def test_a_two_two_partition_commits_nothing_on_either_side_and_heals_into_one_h
     assert c.false_deaths({0, 1}) == [] and c.false_deaths({2, 3}) == []
     assert sum(c.status(i)["tree"]["is_root"] for i in range(4)) == 1
     c.check_invariants("split", (1, 2, 3))
+
+
+def test_a_node_replaced_at_a_new_address_joins_without_restarting_the_others_and_restores_from_peer_memory(net):
+    """Node 3's machine is lost. A new machine at another address takes node 3's line of the peers file; the
+    running agents take it in (no restart), its agent pulls rank 3's shard of the newest step from its
+    partner's memory at start, and the next step commits on all four, copied to the new machine's partner."""
+    c = net(4)  # group placement, 2 copies: node 3's partner is node 2
+    for step in (1, 2):
+        c.stage("moved", step)
+        c.wait_for(lambda s=step: c.committed_everywhere("moved", s), f"step {step} on every node")
+    shard = lambda i, s, r: os.path.join(c.shm(i), "moved", f"step-{s}", f"rank-{r}.shard")  # noqa: E731
+    want = open(shard(2, 2, 3), "rb").read()
+    c.replace(3)
+    new_addr = f"{c.hosts.addr(c.host(3))}:{PORT}"
+    rep = agent_call(c.shm(3), "prefetch", timeout=120)
+    assert rep["state"] == "done" and rep["steps"] == {"moved": 2}, rep
+    assert open(shard(3, 2, 3), "rb").read() == want  # from node 2's memory, not from any disk
+    c.wait_for(lambda: all(p["addr"] == new_addr and p["alive"] for i in range(3) for p in c.status(i)["peers"]
+                           if p["node"] == 3), "every running agent at node 3's new address")
+    c.stage("moved", 3)
+    c.wait_for(lambda: c.committed_everywhere("moved", 3), "step 3 on every node, the new machine included")
+    c.wait_for(lambda: os.path.exists(shard(2, 3, 3)), "the new machine's shard of step 3 copied to node 2")
+    assert all("taking in the new machine" in c.log(i) for i in range(3))
+    c.check_invariants("moved", (1, 2, 3))
 
 
 def test_torchrun_across_two_hosts_resumes_bit_exact_from_memory_after_a_rank_is_killed(tmp_path, reference):
