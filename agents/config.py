@@ -83,6 +83,20 @@ class Settings:
     #: the job's agents: a file with one ``host:port [domain=LABEL]`` per line in node-rank
     #: order, or the same entries comma-separated inline; None = this node alone
     peers: str | None = None
+    #: etcd endpoints (``http://host:2379``, comma-separated): membership comes from etcd instead of a peers file
+    #: (see agents/directory.py); needs ``nodes``, ``advertise`` and this node's ``node_rank``
+    etcd: str | None = None
+    #: the cluster's name in etcd (its key prefix)
+    cluster: str = "default"
+    #: how many nodes the cluster has (with ``etcd``)
+    nodes: int = 0
+    #: ``host:port`` other nodes reach this agent at, registered in etcd
+    advertise: str | None = None
+    #: this node's failure domain (a rack), registered in etcd
+    domain: str | None = None
+    #: seconds this node's etcd lease lives without a keep-alive (once it runs out, the others hold the node
+    #: dead); 0 = ``dead_after``
+    etcd_lease: float = 0.0
     #: file holding the per-job secret that signs every peer request (required whenever ``peers`` is set,
     #: loopback included: without it any local user could read, overwrite or delete the node's checkpoints)
     secret_file: str | None = None
@@ -151,7 +165,14 @@ class Settings:
             raise SettingsError(f"fanout must be an integer >= 1, got {self.fanout!r}")
         if self.max_inflight_bytes < 1:
             raise SettingsError("max_inflight_bytes must be >= 1")
-        if self.peers and not self.secret_file:
+        if self.etcd is not None:
+            if not isinstance(self.nodes, int) or self.nodes < 1:
+                raise SettingsError("with etcd, give the cluster's size: --nodes N")
+            if not self.advertise or ":" not in self.advertise:
+                raise SettingsError("with etcd, give the host:port the other nodes reach this agent at: --advertise")
+            if not 0 <= self.node_rank < self.nodes:
+                raise SettingsError(f"node rank {self.node_rank} is not one of the {self.nodes} nodes (0..{self.nodes - 1})")
+        if (self.peers or self.etcd) and not self.secret_file:
             raise SettingsError(
                 "peers need a secret, even on loopback: create one with (umask 077; head -c 32 /dev/urandom "
                 "| base64 > job.secret), the same file on every node, and pass --secret-file job.secret "

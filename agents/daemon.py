@@ -136,6 +136,9 @@ class Agent:
         self._refusal_logged_at = -1e9
         self.replicator: Replicator | None = None
         self.warm: WarmRestore | None = None
+        #: membership from etcd (agents/directory.py), when the settings name it; set by run_agent
+        self.directory = None
+        self._directory_task: asyncio.Task | None = None
         if settings.peers:
             self.replicator = Replicator(settings, self.memory, self.book, self.layouts, self._budget, self.stats,
                                          self._metrics)
@@ -170,6 +173,9 @@ class Agent:
         if self.replicator is not None:
             await self.replicator.start()
             self.warm.start()
+        if self.directory is not None:
+            self.directory.on_gone = self.replicator.member_gone if self.replicator else None
+            self._directory_task = asyncio.create_task(self.directory.run(), name="etcd")
         path = self.settings.socket_path
         private_socket_folder(path)
         with contextlib.suppress(FileNotFoundError):
@@ -210,6 +216,10 @@ class Agent:
         self._slot_pool.shutdown(wait=False, cancel_futures=True)
         self.ends.close()
         self.drain.stop()
+        if self._directory_task is not None:
+            self._directory_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._directory_task
         if self.replicator is not None:
             self.warm.stop()
             await self.replicator.stop()
@@ -684,6 +694,7 @@ class Agent:
             "node": self.me, "peers": self.replicator.peer_status() if self.replicator else [],
             "prefetch": self.warm.report if self.warm else idle_report(),
             "tree": self.replicator.tree_status() if self.replicator else None,
+            "etcd": self.directory.status() if self.directory is not None else None,
         }
 
     async def _op_delete(self, conn: _Conn, req: dict) -> dict:
@@ -888,7 +899,20 @@ def run_agent(settings: Settings, *, embedded: bool = False, idle_exit: float | 
     readable by its user alone, and every folder it creates is 0700.
     """
     os.umask(0o077)
+    directory = None
+    if settings.etcd:
+        from .directory import EtcdDirectory, EtcdError
+
+        os.makedirs(settings.shm, mode=0o700, exist_ok=True)
+        directory = EtcdDirectory(settings)
+        try:
+            settings.peers = directory.bootstrap()
+        except EtcdError as e:
+            log.error("cannot register in etcd within %.0f s (%s): check --etcd and that etcd runs",
+                      settings.startup_grace, e)
+            return 2
     agent = Agent(settings, embedded=embedded, idle_exit=idle_exit)
+    agent.directory = directory
     try:
         asyncio.run(agent.serve())
     except AgentAlreadyRunningError as e:

@@ -692,6 +692,15 @@ class Replicator:
                 self.reload_peers()
             await asyncio.sleep(self.settings.heartbeat)
 
+    def member_gone(self, r: int) -> None:
+        """Node ``r``'s registration in the membership store is gone (its lease expired): dead for placement
+        and healing now, without waiting for the heartbeats (which bring it back if it still answers)."""
+        if r in self.members.peers and self.members.mark("dead", r):
+            log.warning("node %d (%s) declared dead: its etcd lease expired", r, self.members.nodes[r].addr)
+            self.layouts.forget_place(f"node-{r}")
+            self.dis.report("dead", r)
+            self._membership_changed()
+
     def reload_peers(self) -> list[int]:
         """Read the peers file again and take in the nodes whose address or domain changed (a node replaced
         by a machine at a new address): links, clients and placement follow, and the new machine gets a
@@ -719,7 +728,8 @@ class Replicator:
         moved = [n for n in new if n.rank != self.me and (n.addr, n.domain) != (old[n.rank].addr, old[n.rank].domain)]
         s = self.settings
         for n in moved:
-            log.warning("node %d is %s now (was %s): taking in the new machine", n.rank, n.addr, old[n.rank].addr)
+            log.log(logging.INFO if ".invalid:" in old[n.rank].addr else logging.WARNING,
+                    "node %d is %s now (was %s): taking in the new machine", n.rank, n.addr, old[n.rank].addr)
             self.members.replace(n)
             self._links[n.rank].close()
             self._links[n.rank] = PeerLink(n.addr, secret=self._secret, node=self.me, timeout=s.peer_timeout,

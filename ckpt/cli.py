@@ -181,7 +181,9 @@ def cmd_agent(a: argparse.Namespace) -> int:
              "secret_file": a.secret_file, "replicas": a.replicas,
              "placement": a.placement, "peer_bandwidth": a.peer_bandwidth, "heartbeat": a.heartbeat,
              "dead_after": a.dead_after, "tls_cert": a.tls_cert, "tls_key": a.tls_key, "tls_ca": a.tls_ca,
-             "prefetch": a.prefetch, "startup_grace": a.startup_grace, "quorum": a.quorum}
+             "prefetch": a.prefetch, "startup_grace": a.startup_grace, "quorum": a.quorum, "etcd": a.etcd,
+             "cluster": a.cluster, "nodes": a.nodes, "advertise": a.advertise, "domain": a.domain,
+             "etcd_lease": a.etcd_lease}
     s = _settings(a, extra)
     if a.node_rank == "auto":
         from agents.replication import find_own_rank, load_peer_list
@@ -915,6 +917,14 @@ def build_parser() -> argparse.ArgumentParser:
     ag.add_argument("--peer-bandwidth", type=int, help="cap on replication traffic, bytes/s")
     ag.add_argument("--heartbeat", type=float, help="seconds between heartbeats")
     ag.add_argument("--dead-after", type=float, help="seconds of silence before a peer is declared dead")
+    ag.add_argument("--etcd", help="etcd endpoints (http://host:2379, comma-separated): membership from etcd "
+                                   "instead of a peers file; with --nodes, --advertise and --node-rank")
+    ag.add_argument("--cluster", help="the cluster's name in etcd (default 'default')")
+    ag.add_argument("--nodes", type=int, help="how many nodes the cluster has (with --etcd)")
+    ag.add_argument("--advertise", help="host:port the other nodes reach this agent at (with --etcd)")
+    ag.add_argument("--domain", help="this node's failure domain, a rack (with --etcd)")
+    ag.add_argument("--etcd-lease", type=float,
+                    help="seconds this node's etcd lease lives without a keep-alive (default: --dead-after)")
     ag.add_argument("--startup-grace", type=float,
                     help="seconds a peer that has not answered yet has before it is declared dead (default 60)")
     ag.add_argument("--quorum", type=int, help="votes that elect the commit root (default: a majority of the peers)")

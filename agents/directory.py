@@ -1,0 +1,311 @@
+"""Membership from etcd: agents register under a cluster prefix with a lease, and watch it.
+
+With ``--etcd URL[,URL...] --cluster NAME --nodes N --node-rank R --advertise HOST:PORT``, an agent keeps
+``/tierckpt/<cluster>/nodes/<R>`` = ``{"addr", "domain", "role", "pid"}`` alive under a lease of about
+``dead_after`` seconds, and turns what the prefix holds into the peers file every other part reads
+(``<shm>/.peers.txt``, rewritten atomically on every change): trainers and the agent's own peer side use
+it as they would a hand-written one, and the agent takes changed addresses in while it runs
+(:meth:`agents.replicator.Replicator.reload_peers`). So a node replaced at a new address is seen by every
+agent as soon as its new agent registers, with no file to edit anywhere.
+
+* A rank whose key is gone (its lease expired: the agent died or lost etcd for longer than the lease) is
+  declared dead for placement and healing at once, without waiting for heartbeats.
+* A rank not registered yet is listed at an address nothing answers (``unregistered-R.invalid``): its
+  peers see it as not started, under the start-up grace, and take its address in when it registers.
+  No agent waits at start for the others.
+* **etcd down.** The agent keeps serving, committing and restoring with the last membership it saw; no
+  node is declared dead because etcd is unreachable (the heartbeats still judge liveness). Registration
+  and the watch are retried, and the reason is logged once per outage. A node that joins meanwhile waits.
+
+The client speaks etcd's JSON gateway (``/v3/...``) through aiohttp, already a dependency, rather than a
+gRPC client: the few calls used here (lease grant and keep-alive, put, range, watch) are plain JSON, and
+the Python gRPC clients for etcd v3 are no longer kept up.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import logging
+import os
+import time
+from collections.abc import AsyncIterator, Callable
+
+__all__ = ["EtcdClient", "EtcdDirectory", "EtcdError", "UNREGISTERED"]
+
+log = logging.getLogger("tierckpt.agent")
+
+#: the address a rank that never registered is listed at (nothing answers there), ``{rank}`` filled in
+UNREGISTERED = "unregistered-{rank}.invalid:1"
+
+
+class EtcdError(ConnectionError):
+    """etcd could not be reached, or refused a request."""
+
+
+def _b64(b: bytes | str) -> str:
+    return base64.b64encode(b.encode() if isinstance(b, str) else b).decode()
+
+
+def _unb64(s: str) -> bytes:
+    return base64.b64decode(s)
+
+
+def _prefix_end(prefix: str) -> str:
+    raw = bytearray(prefix.encode())
+    raw[-1] += 1
+    return bytes(raw).decode()
+
+
+class EtcdClient:
+    """The etcd v3 calls membership needs, over the JSON gateway; endpoints are tried in turn."""
+
+    def __init__(self, endpoints: list[str], timeout: float = 5.0) -> None:
+        if not endpoints:
+            raise ValueError("give at least one etcd endpoint (http://host:2379)")
+        self.endpoints = [e.rstrip("/") for e in endpoints]
+        self.timeout = timeout
+        self._session = None
+
+    async def _http(self):
+        import aiohttp
+
+        if self._session is None:
+            self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, sock_connect=self.timeout))
+        return self._session
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    async def call(self, path: str, body: dict) -> dict:
+        import aiohttp
+
+        session = await self._http()
+        errors = []
+        for ep in self.endpoints:
+            try:
+                async with session.post(f"{ep}/v3/{path}", json=body,
+                                        timeout=aiohttp.ClientTimeout(total=self.timeout)) as resp:
+                    data = await resp.json(content_type=None)
+                    if resp.status != 200:
+                        raise EtcdError(f"etcd {ep} refused {path}: {resp.status} {data}")
+                    return data
+            except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError) as e:
+                errors.append(f"{ep}: {type(e).__name__}: {e}")
+        raise EtcdError(f"etcd unreachable ({'; '.join(errors)})")
+
+    async def grant(self, ttl: int) -> int:
+        return int((await self.call("lease/grant", {"TTL": ttl}))["ID"])
+
+    async def keepalive(self, lease: int) -> int:
+        """Refresh ``lease``; its TTL, 0 once it expired."""
+        got = await self.call("lease/keepalive", {"ID": str(lease)})
+        return int(got.get("result", {}).get("TTL", 0))
+
+    async def put(self, key: str, value: bytes, lease: int | None = None) -> None:
+        body = {"key": _b64(key), "value": _b64(value)}
+        if lease:
+            body["lease"] = str(lease)
+        await self.call("kv/put", body)
+
+    async def range(self, prefix: str) -> tuple[dict[str, bytes], int]:
+        """Every key under ``prefix`` and its value, and the store's revision."""
+        got = await self.call("kv/range", {"key": _b64(prefix), "range_end": _b64(_prefix_end(prefix))})
+        kvs = {_unb64(kv["key"]).decode(): _unb64(kv.get("value", "")) for kv in got.get("kvs", [])}
+        return kvs, int(got["header"]["revision"])
+
+    async def watch(self, prefix: str, start_revision: int) -> AsyncIterator[tuple[str, str, bytes]]:
+        """``(PUT|DELETE, key, value)`` for every change under ``prefix`` from ``start_revision`` on."""
+        session = await self._http()
+        body = {"create_request": {"key": _b64(prefix), "range_end": _b64(_prefix_end(prefix)),
+                                   "start_revision": str(start_revision)}}
+        errors = []
+        for ep in self.endpoints:
+            try:
+                async with session.post(f"{ep}/v3/watch", json=body) as resp:
+                    async for line in resp.content:
+                        if not line.strip():
+                            continue
+                        msg = json.loads(line).get("result", {})
+                        for ev in msg.get("events", ()):
+                            kv = ev["kv"]
+                            yield ev.get("type", "PUT"), _unb64(kv["key"]).decode(), _unb64(kv.get("value", ""))
+                return
+            except Exception as e:  # noqa: BLE001 - the next endpoint, then the caller's retry
+                errors.append(f"{ep}: {type(e).__name__}: {e}")
+        raise EtcdError(f"etcd watch failed ({'; '.join(errors)})")
+
+
+def _node_line(obj: dict) -> str:
+    line = obj["addr"]
+    if obj.get("domain"):
+        line += f" domain={obj['domain']}"
+    return line
+
+
+class EtcdDirectory:
+    """This agent's registration in etcd and the peers file made from the cluster's (see the module docstring).
+
+    ``bootstrap()`` (blocking, before the agent is built) registers and writes the file; ``run()``
+    keeps the lease, watches the prefix and rewrites the file; ``on_gone(rank)`` is called when a rank's
+    key disappears (lease expired)."""
+
+    def __init__(self, settings, *, on_gone: Callable[[int], None] | None = None) -> None:
+        self.settings = settings
+        self.client = EtcdClient([e.strip() for e in settings.etcd.split(",") if e.strip()],
+                                 timeout=max(1.0, settings.peer_timeout / 2))
+        self.prefix = f"/tierckpt/{settings.cluster}/nodes/"
+        self.path = os.path.join(settings.shm, ".peers.txt")
+        self.ttl = max(2, int(round(settings.etcd_lease or settings.dead_after)))
+        self.lease = 0
+        self.nodes: dict[int, dict] = {}
+        self.on_gone = on_gone
+        self.outage_since: float | None = None
+        self.last_error = ""
+        self.revision = 0
+
+    # -- the file ---------------------------------------------------------------------------
+    def _me(self) -> dict:
+        s = self.settings
+        return {"rank": s.node_rank, "addr": s.advertise, "domain": s.domain, "role": "agent", "pid": os.getpid()}
+
+    def _write(self) -> None:
+        lines = []
+        for r in range(self.settings.nodes):
+            lines.append(_node_line(self.nodes[r]) if r in self.nodes else UNREGISTERED.format(rank=r))
+        tmp = f"{self.path}.tmp"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write("".join(f"{ln}\n" for ln in lines))
+        os.replace(tmp, self.path)
+
+    def _take(self, key: str, value: bytes | None) -> int | None:
+        """Apply one key's value (None: deleted); the rank it was about, or None."""
+        try:
+            rank = int(key[len(self.prefix):])
+        except ValueError:
+            return None
+        if not 0 <= rank < self.settings.nodes:
+            log.warning("etcd lists node %s, outside the %d nodes of cluster %s: ignored", key, self.settings.nodes,
+                        self.settings.cluster)
+            return None
+        if value is None:
+            self.nodes.pop(rank, None)
+            return rank
+        try:
+            obj = json.loads(value)
+            if not isinstance(obj, dict) or not isinstance(obj.get("addr"), str):
+                raise ValueError("no addr")
+        except ValueError as e:
+            log.warning("etcd holds a malformed entry for node %d (%s): ignored", rank, e)
+            return None
+        self.nodes[rank] = obj
+        return rank
+
+    # -- start ------------------------------------------------------------------------------
+    def bootstrap(self) -> str:
+        """Register (retrying for up to ``startup_grace`` while etcd cannot be reached) and write the peers file
+        from what is registered now. Returns the file's path."""
+        return asyncio.run(self._bootstrap())
+
+    async def _bootstrap(self) -> str:
+        deadline = time.monotonic() + self.settings.startup_grace
+        try:
+            while True:
+                try:
+                    await self._register()
+                    kvs, self.revision = await self.client.range(self.prefix)
+                    break
+                except EtcdError as e:
+                    if time.monotonic() > deadline:
+                        raise
+                    log.warning("waiting for etcd to register this node: %s", e)
+                    await asyncio.sleep(1.0)
+            self.nodes = {}
+            for k, v in kvs.items():
+                self._take(k, v)
+            missing = self.settings.nodes - len(self.nodes)
+            if missing:
+                log.info("%d of %d nodes registered in etcd so far; the others are taken in as they register",
+                         len(self.nodes), self.settings.nodes)
+            self._write()
+            return self.path
+        finally:
+            await self.client.close()
+
+    async def _register(self) -> None:
+        self.lease = await self.client.grant(self.ttl)
+        await self.client.put(f"{self.prefix}{self.settings.node_rank}", json.dumps(self._me()).encode(), self.lease)
+
+    # -- running ----------------------------------------------------------------------------
+    async def run(self) -> None:
+        """Keep this node's lease and watch the cluster until cancelled."""
+        try:
+            await asyncio.gather(self._keep(), self._watch())
+        finally:
+            await self.client.close()
+
+    def _outage(self, e: BaseException) -> None:
+        self.last_error = str(e)
+        if self.outage_since is None:
+            self.outage_since = time.monotonic()
+            log.warning("etcd unreachable (%s): keeping the last membership seen; no node is declared dead for "
+                        "this, and nodes that join wait until it is back", e)
+
+    def _back(self) -> None:
+        if self.outage_since is not None:
+            log.info("etcd reachable again after %.1f s", time.monotonic() - self.outage_since)
+        self.outage_since = None
+        self.last_error = ""
+
+    async def _keep(self) -> None:
+        while True:
+            await asyncio.sleep(self.ttl / 3)
+            try:
+                if not self.lease or await self.client.keepalive(self.lease) == 0:
+                    await self._register()  # the lease ran out (etcd was away longer than it): register again
+                self._back()
+            except EtcdError as e:
+                self._outage(e)
+
+    async def _watch(self) -> None:
+        while True:
+            try:
+                kvs, rev = await self.client.range(self.prefix)
+                self._apply_all(kvs)
+                self.revision = rev
+                self._back()
+                async for kind, key, value in self.client.watch(self.prefix, rev + 1):
+                    rank = self._take(key, None if kind == "DELETE" else value)
+                    if rank is None:
+                        continue
+                    self._write()
+                    if kind == "DELETE" and rank != self.settings.node_rank and self.on_gone is not None:
+                        self.on_gone(rank)
+            except EtcdError as e:
+                self._outage(e)
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # noqa: BLE001 - a broken stream: list again and watch again
+                self._outage(e)
+            await asyncio.sleep(1.0)
+
+    def _apply_all(self, kvs: dict[str, bytes]) -> None:
+        before = dict(self.nodes)
+        self.nodes = {}
+        for k, v in kvs.items():
+            self._take(k, v)
+        if self.nodes != before:
+            self._write()
+            if self.on_gone is not None:
+                for r in set(before) - set(self.nodes) - {self.settings.node_rank}:
+                    self.on_gone(r)
+
+    def status(self) -> dict:
+        return {"etcd": self.client.endpoints, "cluster": self.settings.cluster, "lease": self.lease,
+                "registered": sorted(self.nodes), "revision": self.revision,
+                "outage_s": None if self.outage_since is None else round(time.monotonic() - self.outage_since, 1),
+                "last_error": self.last_error}

@@ -1,0 +1,170 @@
+"""Membership from a real etcd (started here, one member and three): agents register with a lease and watch;
+a node replaced at a new address is taken in by every agent with no file edited, a node whose lease expires
+is dead at once, and an etcd outage changes nothing for the running agents."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import time
+
+import pytest
+
+from etcd_server import Etcd, etcd_missing
+from procs import agent_call, kill9, start_agent, write_secret
+from s3util import free_port
+from test_e2e_faults import _stage_raw
+
+_WHY = etcd_missing()
+if _WHY is not None:
+    print(f"test_e2e_etcd: skipped: {_WHY}")
+pytestmark = [pytest.mark.e2e, pytest.mark.skipif(_WHY is not None, reason=_WHY or "")]
+
+
+class EtcdCluster:
+    def __init__(self, root, n: int, members: int = 1, extra: tuple = ()) -> None:
+        self.extra = list(extra)
+        self.root = root
+        self.n = n
+        self.etcd = Etcd(str(root), members)
+        self.secret = write_secret(str(root / "secret"))
+        self.ports = [free_port() for _ in range(n)]
+        self.gen = {i: 0 for i in range(n)}
+        self.procs: dict[int, object] = {}
+        for i in range(n):
+            self.start(i)
+
+    def shm(self, i: int) -> str:
+        return str(self.root / f"node{i}-{self.gen[i]}" / "shm")
+
+    def start(self, i: int) -> None:
+        os.makedirs(os.path.dirname(self.shm(i)), exist_ok=True)
+        self.procs[i] = start_agent(self.shm(i), "--etcd", self.etcd.endpoints, "--cluster", "c1", "--nodes",
+                                    str(self.n), "--node-rank", str(i), "--advertise", f"127.0.0.1:{self.ports[i]}",
+                                    "--secret-file", self.secret, "--heartbeat", "0.2", "--dead-after", "3",
+                                    "--startup-grace", "20", *self.extra)
+
+    def replace(self, i: int) -> None:
+        """Node ``i``'s machine is lost; a new one, at a new address, starts its agent with the same rank."""
+        kill9(self.procs.pop(i))
+        shutil.rmtree(os.path.dirname(self.shm(i)))
+        self.gen[i] += 1
+        self.ports[i] = free_port()
+        self.start(i)
+
+    def status(self, i: int) -> dict:
+        return agent_call(self.shm(i), "status")
+
+    def log(self, i: int) -> str:
+        with open(self.procs[i].log_path, errors="replace") as f:
+            return f.read()
+
+    def manifest(self, i: int, job: str, step: int) -> bool:
+        return os.path.exists(os.path.join(self.shm(i), job, f"step-{step}", "manifest.json"))
+
+    def stage(self, job: str, step: int, nodes) -> None:
+        import threading
+
+        errs = []
+
+        def one(rank: int, node: int) -> None:
+            try:
+                _stage_raw(self.shm(node), job, step, 1 << 20, rank=rank, world=len(nodes))
+            except BaseException as e:  # noqa: BLE001 - reported below
+                errs.append(e)
+
+        ts = [threading.Thread(target=one, args=(r, n)) for r, n in enumerate(nodes)]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join()
+        assert not errs, errs
+
+    def wait_for(self, cond, what: str, timeout: float = 90.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if cond():
+                return
+            time.sleep(0.1)
+        raise AssertionError(f"timed out waiting for {what}; logs: { {i: self.log(i)[-1500:] for i in self.procs} }")
+
+    def close(self) -> None:
+        for p in self.procs.values():
+            if p.poll() is None:
+                kill9(p)
+        self.etcd.close()
+
+
+@pytest.fixture
+def etcd_cluster(tmp_path):
+    made = []
+
+    def make(*a, **kw) -> EtcdCluster:
+        c = EtcdCluster(tmp_path, *a, **kw)
+        made.append(c)
+        return c
+
+    yield make
+    for c in made:
+        c.close()
+
+
+def test_a_node_replaced_at_a_new_address_is_taken_in_through_etcd_and_restores_from_peer_memory(etcd_cluster):
+    c = etcd_cluster(4)  # group placement, 2 copies: node 3's partner is node 2
+    c.stage("e", 1, [0, 1, 2, 3])
+    c.wait_for(lambda: all(c.manifest(i, "e", 1) for i in range(4)), "step 1 on every node")
+    assert c.status(0)["etcd"]["registered"] == [0, 1, 2, 3]
+    copy = os.path.join(c.shm(2), "e", "step-1", "rank-3.shard")
+    c.wait_for(lambda: os.path.exists(copy), "rank 3's copy on node 2")
+    partner_copy = open(copy, "rb").read()
+    c.replace(3)  # no file edited anywhere: the new agent registers its new address
+    new = f"127.0.0.1:{c.ports[3]}"
+    rep = agent_call(c.shm(3), "prefetch", timeout=120)
+    assert rep["steps"] == {"e": 1}, rep
+    assert open(os.path.join(c.shm(3), "e", "step-1", "rank-3.shard"), "rb").read() == partner_copy
+    c.wait_for(lambda: all(p["addr"] == new and p["alive"] for i in range(3) for p in c.status(i)["peers"]
+                           if p["node"] == 3), "nodes 0 to 2 at node 3's new address")
+    c.stage("e", 2, [0, 1, 2, 3])
+    c.wait_for(lambda: all(c.manifest(i, "e", 2) for i in range(4)), "step 2 on every node, the new one included")
+
+
+def test_an_expired_lease_is_a_death_and_an_etcd_outage_is_not(etcd_cluster):
+    # heartbeats take 10 s to find a death here, the etcd lease 2 s: the lease is what tells
+    c = etcd_cluster(3, members=3, extra=("--dead-after", "10", "--etcd-lease", "2"))
+    c.stage("o", 1, [0, 1, 2])
+    c.wait_for(lambda: all(c.manifest(i, "o", 1) for i in range(3)), "step 1 on every node")
+    # one etcd member down: the others serve, and nothing changes for the agents
+    c.etcd.stop(0)
+    c.stage("o", 2, [0, 1, 2])
+    c.wait_for(lambda: all(c.manifest(i, "o", 2) for i in range(3)), "step 2 with one etcd member down")
+    c.etcd.start(0)
+    # all of etcd down for longer than the leases: no node is declared dead for it, and saves commit
+    for i in range(3):
+        c.etcd.stop(i)
+    t0 = time.monotonic()
+    step = 3
+    while time.monotonic() - t0 < 10:
+        c.stage("o", step, [0, 1, 2])
+        c.wait_for(lambda s=step: all(c.manifest(i, "o", s) for i in range(3)), f"step {step} with etcd down")
+        step += 1
+        time.sleep(1.0)
+    assert all(c.status(i)["etcd"]["outage_s"] is not None for i in range(3))
+    for i in range(3):
+        assert not re.search(r"node \d+ \(\S+\) declared dead", c.log(i)), c.log(i)[-2000:]
+    for i in range(3):
+        c.etcd.start(i, wait=False)
+    for i in range(3):
+        c.etcd.wait_ready(i)
+    c.wait_for(lambda: all(c.status(i)["etcd"]["outage_s"] is None for i in range(3)), "every agent back on etcd")
+    c.wait_for(lambda: c.status(0)["etcd"]["registered"] == [0, 1, 2], "every node registered again")
+    for i in range(3):  # etcd back: leases it held through the outage are not taken for deaths either
+        assert not re.search(r"node \d+ \(\S+\) declared dead", c.log(i)), c.log(i)[-2000:]
+    # node 1 killed: its lease expires and the others declare it dead for that
+    kill9(c.procs.pop(1))
+    killed = time.monotonic()
+    c.wait_for(lambda: all("node 1 (127.0.0.1" in c.log(i) and "declared dead: its etcd lease expired" in c.log(i)
+                           for i in (0, 2)), "node 1 dead on nodes 0 and 2, by its lease")
+    assert time.monotonic() - killed < 10  # before any heartbeat could have said so
+    c.wait_for(lambda: all(not p["alive"] for i in (0, 2) for p in c.status(i)["peers"] if p["node"] == 1),
+               "node 1 dead in every view")
