@@ -8,7 +8,10 @@ every setting at its default (heartbeat 1 s, dead_after 5 s, start-up grace 60 s
 everywhere, then the fault lasts ``--outage`` seconds while every rank saves step 2:
 
 * ``blip``: the last node's link is down;
-* ``split``: the nodes are cut into two halves.
+* ``split``: the nodes are cut into two halves;
+* ``replace``: the last node's machine is lost (agent killed, memory gone) and a new machine at a new address
+  takes its line of the peers file (no outage wait); timed: until every running agent answers it at the new
+  address, and until its agent holds its ranks' shards again from its partner's memory (warm restore).
 
 Then the network is back, and step 3 is saved. Per trial it counts: healthy nodes declared dead by a healthy
 node (a node on the same side of the fault), epochs with two roots, steps committed with fewer than every
@@ -33,6 +36,33 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests"))
 
 DEAD_AFTER = 5.0  # the default
+
+
+def replace_trial(nodes: int, root: pathlib.Path) -> dict:
+    import test_e2e_netns as t
+    from procs import agent_call
+
+    t.ARGS = ["--startup-grace", "10"]
+    c = t.NetCluster(root, nodes)
+    try:
+        c.stage("rep", 1)
+        c.wait_for(lambda: c.committed_everywhere("rep", 1), "step 1 on every node", timeout=120)
+        last = nodes - 1
+        t0 = time.monotonic()
+        c.replace(last)
+        started = time.monotonic() - t0
+        new = f"{c.hosts.addr(c.host(last))}:{t.PORT}"
+        c.wait_for(lambda: all(p["addr"] == new and p["alive"] for i in range(last)
+                               for p in c.status(i)["peers"] if p["node"] == last), "new address seen")
+        seen = time.monotonic() - t0
+        rep = agent_call(c.shm(last), "prefetch", timeout=300)
+        warm = rep["seconds"]  # the warm restore's own duration, from the agent's start
+        c.stage("rep", 2)
+        c.wait_for(lambda: c.committed_everywhere("rep", 2), "step 2 on every node", timeout=120)
+        return {"agent_start_s": started, "seen_s": seen, "warm_s": warm, "warm_steps": rep.get("steps"),
+                "resumed": True}
+    finally:
+        c.close()
 
 
 def trial(fault: str, nodes: int, outage: float, root: pathlib.Path) -> dict:
@@ -98,7 +128,8 @@ def main() -> int:
           " | late requests refused | step 2 everywhere after the network is back, s median / max | within 2 x "
           "dead_after | checkpointing resumed |")
     print("|---|---|---|---|---|---|---|---|---|---|")
-    for fault in a.faults.split(","):
+    faults = a.faults.split(",")
+    for fault in [f for f in faults if f != "replace"]:
         runs = []
         for k in range(a.trials):
             with tempfile.TemporaryDirectory(prefix="bench-faults-") as d:
@@ -109,6 +140,18 @@ def main() -> int:
               f"{sum(r['partial'] for r in runs)} | {sum(r['two_manifests'] for r in runs)} | "
               f"{sum(r['late_refused'] for r in runs)} | {statistics.median(heal):.1f} / {max(heal):.1f} | "
               f"{sum(h <= 2 * DEAD_AFTER for h in heal)}/{len(heal)} | {sum(r['resumed'] for r in runs)}/{len(runs)} |")
+    if "replace" in faults:
+        runs = []
+        for k in range(a.trials):
+            with tempfile.TemporaryDirectory(prefix="bench-faults-") as d:
+                runs.append(replace_trial(a.nodes, pathlib.Path(d)))
+            print(f"  replace trial {k + 1}: {runs[-1]}", file=sys.stderr)
+        print("\n| node replaced at a new address (peers file) | median / max, s |\n|---|---|")
+        for name, key in (("its agent up", "agent_start_s"), ("its warm restore (shards back from the partner's memory)", "warm_s"),
+                          ("every running agent answers it at the new address", "seen_s")):
+            v = [r[key] for r in runs]
+            print(f"| {name} | {statistics.median(v):.2f} / {max(v):.2f} |")
+        print(f"| checkpointing resumed | {sum(r['resumed'] for r in runs)}/{len(runs)} |")
     return 0
 
 
