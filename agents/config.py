@@ -94,6 +94,12 @@ class Settings:
     advertise: str | None = None
     #: this node's failure domain (a rack), registered in etcd
     domain: str | None = None
+    #: a node that trains nothing and offers its host memory as replica targets (its peers-file line says
+    #: ``role=memory``; with etcd, it registers so); trainers' saves are refused here
+    memory_only: bool = False
+    #: most bytes of replicas this node's memory takes from its peers (0: as much as its folder has room for);
+    #: past it, a copy is refused (507) and stays with its primary
+    memory_limit: int = 0
     #: seconds this node's etcd lease lives without a keep-alive (once it runs out, the others hold the node
     #: dead); 0 = ``dead_after``
     etcd_lease: float = 0.0

@@ -388,6 +388,9 @@ class Agent:
                 "settings": self.settings.to_dict()}
 
     async def _op_begin(self, conn: _Conn, req: dict) -> dict:
+        if self.settings.memory_only:
+            raise RequestError("this agent is memory-only (--memory-only): it holds replicas for the training "
+                               "nodes and takes no saves; point the trainer at its own node's agent")
         job = keys.check_job(req["job"])
         rank = keys.check_rank(req["rank"])
         nbytes = int(req["nbytes"])
@@ -911,9 +914,9 @@ def run_agent(settings: Settings, *, embedded: bool = False, idle_exit: float | 
             log.error("cannot register in etcd within %.0f s (%s): check --etcd and that etcd runs",
                       settings.startup_grace, e)
             return 2
-    agent = Agent(settings, embedded=embedded, idle_exit=idle_exit)
-    agent.directory = directory
     try:
+        agent = Agent(settings, embedded=embedded, idle_exit=idle_exit)
+        agent.directory = directory
         asyncio.run(agent.serve())
     except AgentAlreadyRunningError as e:
         log.error("%s", e)

@@ -143,6 +143,8 @@ def _node_line(obj: dict) -> str:
     line = obj["addr"]
     if obj.get("domain"):
         line += f" domain={obj['domain']}"
+    if obj.get("role") == "memory":
+        line += " role=memory"
     return line
 
 
@@ -170,7 +172,8 @@ class EtcdDirectory:
     # -- the file ---------------------------------------------------------------------------
     def _me(self) -> dict:
         s = self.settings
-        return {"rank": s.node_rank, "addr": s.advertise, "domain": s.domain, "role": "agent", "pid": os.getpid()}
+        return {"rank": s.node_rank, "addr": s.advertise, "domain": s.domain,
+                "role": "memory" if s.memory_only else "train", "pid": os.getpid()}
 
     def _write(self) -> None:
         lines = []

@@ -668,13 +668,18 @@ class PeerServer:
                 count += 1
         return total, count
 
-    async def _health(self, request: web.Request) -> web.Response:
+    async def held_bytes(self, fresh: bool = False) -> tuple[int, int]:
+        """Bytes and objects this node's memory holds, from a walk of its folder at most a second old (now,
+        with ``fresh``)."""
         # heartbeats come every second from several peers: the walk of the memory folder is shared for a second
         now = time.monotonic()
-        if now - self._held_at > 1.0:
+        if fresh or now - self._held_at > 1.0:
             self._held_cache = await asyncio.get_running_loop().run_in_executor(self._pool, self._held)
             self._held_at = now
-        held, count = self._held_cache
+        return self._held_cache
+
+    async def _health(self, request: web.Request) -> web.Response:
+        held, count = await self.held_bytes()
         return web.json_response({"node": self.node, "version": WIRE_VERSION, "time": time.time(),
                                   "bytes_held": held, "objects": count, **self.health_extra})
 

@@ -45,6 +45,7 @@ from dataclasses import dataclass
 
 __all__ = [
     "PLACEMENTS",
+    "ROLES",
     "Node",
     "PeerListError",
     "SurvivalResult",
@@ -60,6 +61,8 @@ __all__ = [
 
 #: the placement names :func:`replica_targets` accepts
 PLACEMENTS = ("group", "ring")
+#: what a node is for: training (its ranks' shards have their primary copy there) or memory only
+ROLES = ("train", "memory")
 
 #: at most this many failure sets are enumerated for an exact answer; beyond it, Monte Carlo
 MAX_ENUMERATED = 2_000_000
@@ -82,6 +85,9 @@ class Node:
     rank: int
     addr: str = ""
     domain: str | None = None
+    #: "train" (the default), or "memory": a node that trains nothing and offers its host memory as replica
+    #: targets (see :func:`replica_targets`)
+    role: str = "train"
 
     @property
     def host(self) -> str:
@@ -184,10 +190,19 @@ def parse_peers(text: str) -> list[Node]:
                 raise PeerListError(f"{where}: starts with {words[0]!r}; put host:port first, then domain=LABEL")
             addr, key = _parse_addr(words[0], where)
             domain = None
+            role = None
             for word in words[1:]:
                 name, eq, value = word.partition("=")
-                if not eq or name != "domain":
-                    raise PeerListError(f"{where}: unknown field {word!r}; only domain=LABEL may follow host:port")
+                if not eq or name not in ("domain", "role"):
+                    raise PeerListError(f"{where}: unknown field {word!r}; only domain=LABEL and role=train|memory "
+                                        "may follow host:port")
+                if name == "role":
+                    if role is not None:
+                        raise PeerListError(f"{where}: role given twice; give one role=train|memory per agent")
+                    if value not in ROLES:
+                        raise PeerListError(f"{where}: role {value!r} is neither train nor memory")
+                    role = value
+                    continue
                 if domain is not None:
                     raise PeerListError(f"{where}: domain given twice; give one domain=LABEL per agent")
                 if not value:
@@ -196,7 +211,7 @@ def parse_peers(text: str) -> list[Node]:
             if key in seen:
                 raise PeerListError(f"{where}: {addr} is already listed on {seen[key]}; list each agent once")
             seen[key] = where
-            nodes.append(Node(len(nodes), addr, domain))
+            nodes.append(Node(len(nodes), addr, domain, role or "train"))
     if not nodes:
         raise PeerListError("line 1: the peer list names no agent; write one host:port per line")
     return nodes
@@ -261,7 +276,11 @@ def _base_targets(n: int, k: int, pos: int, placement: str) -> list[int]:
 def _layout(nodes: NodesOrCount, replicas: int, placement: str) -> tuple[dict[int, list[int]], bool]:
     """Every node's targets, and whether the domain pass moved any copy off the base placement."""
     _check(replicas, placement)
-    ranked = {x.rank: x for x in _as_nodes(nodes)}
+    everyone = _as_nodes(nodes)
+    pool = [x for x in everyone if x.role == "memory"]
+    if pool:
+        return _pool_layout([x for x in everyone if x.role != "memory"], pool, replicas, placement)
+    ranked = {x.rank: x for x in everyone}
     order = placement_order(list(ranked.values()))
     n = len(order)
     domains = {_domain(x) for x in ranked.values()}
@@ -295,6 +314,39 @@ def _layout(nodes: NodesOrCount, replicas: int, placement: str) -> tuple[dict[in
     return {r: out[r] for r in sorted(out)}, moved
 
 
+def _pool_layout(trainers: list[Node], pool: list[Node], replicas: int,
+                 placement: str) -> tuple[dict[int, list[int]], bool]:
+    """Targets when some nodes are memory-only: each training node's copies go to the pool first, spread
+    round-robin over it (the ``i``-th training node in placement order starts at pool node ``i * (k-1)``),
+    a node in a domain no copy uses yet before one in a used domain; what the pool cannot give (fewer pool
+    nodes than ``k - 1``) comes from the trainers' own placement. A memory node holds nothing of its own."""
+    out: dict[int, list[int]] = {x.rank: [] for x in pool}
+    moved = False
+    if not trainers:
+        return {r: out[r] for r in sorted(out)}, moved
+    ranked = {x.rank: x for x in trainers + pool}
+    order = placement_order(trainers)
+    porder = placement_order(pool)
+    own, moved = _layout(trainers, replicas, placement) if len(trainers) > 1 else ({order[0]: []}, False)
+    want = replicas - 1
+    for pos, me in enumerate(order):
+        used = {_domain(ranked[me])}
+        start = (pos * max(1, want)) % len(porder)
+        ring = porder[start:] + porder[:start]
+        picked: list[int] = []
+        for prefer_new_domain in (True, False):
+            for r in ring:
+                if len(picked) == min(want, len(porder)):
+                    break
+                if r in picked or (prefer_new_domain and _domain(ranked[r]) in used):
+                    continue
+                picked.append(r)
+                used.add(_domain(ranked[r]))
+        picked += [t for t in own[me] if t not in picked][:want - len(picked)]
+        out[me] = picked
+    return {r: out[r] for r in sorted(out)}, moved
+
+
 def replica_targets(nodes: Sequence[Node], me: int, replicas: int, placement: str = "group") -> list[int]:
     """The ranks of the nodes that hold copies of the shards whose primary copy is on node ``me``.
 
@@ -322,6 +374,12 @@ def replica_targets(nodes: Sequence[Node], me: int, replicas: int, placement: st
     another copy moves to the nearest node after ``me`` in placement order
     whose domain holds no copy yet, if any; else it stays where it was.
 
+    Memory-only nodes (``role=memory`` in the peers file): when there are any,
+    a training node's copies go to them first, spread over them, in a failure
+    domain no other copy uses where one is left; only what the pool cannot
+    give comes from the training nodes' placement above. A memory-only node
+    has no targets: it holds no checkpoint of its own.
+
     Raises ``ValueError`` for ``replicas < 1``, an unknown placement, ranks
     given twice, or a ``me`` that is not in ``nodes``.
     """
@@ -338,7 +396,8 @@ def holders(nodes: NodesOrCount, replicas: int, placement: str = "group") -> dic
     Raises ``ValueError`` as :func:`replica_targets` does.
     """
     layout, _ = _layout(nodes, replicas, placement)
-    return {r: [r, *t] for r, t in layout.items()}
+    memory = {x.rank for x in _as_nodes(nodes) if x.role == "memory"}
+    return {r: [r, *t] for r, t in layout.items() if r not in memory}
 
 
 # -- survival ------------------------------------------------------------------------------
@@ -349,7 +408,7 @@ def survives(nodes: NodesOrCount, replicas: int, placement: str, failed: set[int
     Raises ``ValueError`` for a failed rank that is not a node.
     """
     h = holders(nodes, replicas, placement)
-    unknown = set(failed) - set(h)
+    unknown = set(failed) - {x.rank for x in _as_nodes(nodes)}
     if unknown:
         raise ValueError(f"failed ranks {sorted(unknown)} are not nodes (ranks {min(h)}..{max(h)})")
     return not any(set(copies) <= set(failed) for copies in h.values())

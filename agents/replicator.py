@@ -58,7 +58,7 @@ from tiers.errors import KeyNotFoundError, TierError
 from tiers.manifest import encode_group
 from tiers.memory import MemoryTier
 
-from .config import Settings
+from .config import Settings, SettingsError
 from .dissemination import Disseminator, View, tree_children, tree_parent
 from .drain import ByteBudget
 from .layouts import LayoutBook
@@ -158,6 +158,13 @@ class Replicator:
         self._peers_stat = _stat(s.peers)
         #: nodes whose peers file differs from this node's (named in status and logged once each)
         self.peers_differ: set[int] = set()
+        if not 0 <= s.node_rank < len(nodes):
+            raise SettingsError(f"node rank {s.node_rank} is not in the peers file of {len(nodes)} nodes")
+        if s.memory_only != (nodes[s.node_rank].role == "memory"):
+            raise SettingsError(
+                f"this agent runs {'with' if s.memory_only else 'without'} --memory-only but its line ({s.node_rank + 1})"
+                f" of the peers file says role={nodes[s.node_rank].role}: every node needs the same file, and a "
+                "memory-only node's line ends in role=memory")
         self.members = Membership(nodes, s.node_rank, s.replicas, s.placement, s.dead_after,
                                   startup_grace=s.startup_grace)
         self._secret = load_secret(s.secret_file) if s.secret_file else None
@@ -215,7 +222,7 @@ class Replicator:
                           ("POST", "/v1/down", self._tree_route(self.dis.handle_down)),
                           ("POST", "/v1/fetch", self._http_fetch), ("POST", "/v1/publish", self._http_publish)],
             metrics_cb=metrics, long_paths=("/v1/fetch",), disk=disk_tier(s),
-            health_extra={"peers": self.peers_digest},
+            health_extra={"peers": self.peers_digest, "role": nodes[s.node_rank].role},
         )
         #: copies of local shards to peers still under way, per step (``wait`` waits for them too)
         self._copies: dict[tuple[str, int], set[asyncio.Future]] = {}
@@ -226,6 +233,8 @@ class Replicator:
         self._sources_cache: tuple[frozenset[int], set[int]] | None = None
         self._heal_now: asyncio.Event | None = None
         self._near_all: set[int] | None = None
+        #: bytes of copies being pulled into this node now (counted against ``memory_limit``)
+        self._taking = 0
         self._tasks: list[asyncio.Task] = []
 
     # ------------------------------------------------------------------ lifecycle
@@ -543,6 +552,15 @@ class Replicator:
         if room is not None and size > room:
             return web.Response(status=507, text=_one_line(
                 f"no room for {key} ({size} bytes) in {self.memory.root} on node {self.me}: {room} bytes free"))
+        limit = self.settings.memory_limit
+        if limit:
+            holding = (await self.peer_server.held_bytes(fresh=True))[0] + self._taking
+            if holding + size > limit:
+                return web.Response(status=507, text=_one_line(
+                    f"no room for {key} ({size} bytes) on node {self.me}: it holds {holding} of the {limit} bytes "
+                    f"its --memory-limit allows; the copy stays with its primary (raise the limit, or add memory "
+                    f"nodes)"))
+        self._taking += size
         # no request to the source first: the claimed size is bounded by the room here, and a source holding
         # another size fails the pull's ranged reads (fewer bytes) or its checksum (more): a 502 either way
         held = await self.budget.acquire(size)
@@ -560,6 +578,7 @@ class Replicator:
             return web.Response(status=502, text=_one_line(
                 f"pull of {key} from node {src} failed: {type(e).__name__}: {e}"))
         finally:
+            self._taking -= size
             await self.budget.release(held)
         token = ""
         if tmp:

@@ -183,7 +183,8 @@ def cmd_agent(a: argparse.Namespace) -> int:
              "dead_after": a.dead_after, "tls_cert": a.tls_cert, "tls_key": a.tls_key, "tls_ca": a.tls_ca,
              "prefetch": a.prefetch, "startup_grace": a.startup_grace, "quorum": a.quorum, "etcd": a.etcd,
              "cluster": a.cluster, "nodes": a.nodes, "advertise": a.advertise, "domain": a.domain,
-             "etcd_lease": a.etcd_lease}
+             "etcd_lease": a.etcd_lease, "memory_only": True if a.memory_only else None,
+             "memory_limit": a.memory_limit}
     s = _settings(a, extra)
     if a.node_rank == "auto":
         from agents.replication import find_own_rank, load_peer_list
@@ -923,6 +924,10 @@ def build_parser() -> argparse.ArgumentParser:
     ag.add_argument("--nodes", type=int, help="how many nodes the cluster has (with --etcd)")
     ag.add_argument("--advertise", help="host:port the other nodes reach this agent at (with --etcd)")
     ag.add_argument("--domain", help="this node's failure domain, a rack (with --etcd)")
+    ag.add_argument("--memory-only", action="store_true", default=None,
+                    help="this node trains nothing: it offers its host memory as replica targets (its peers-file "
+                         "line ends in role=memory)")
+    ag.add_argument("--memory-limit", type=int, help="most bytes of replicas this node takes from its peers")
     ag.add_argument("--etcd-lease", type=float,
                     help="seconds this node's etcd lease lives without a keep-alive (default: --dead-after)")
     ag.add_argument("--startup-grace", type=float,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -157,3 +158,20 @@ def read_events(path: str) -> list[dict]:
 
 def losses(events: list[dict]) -> dict[int, str]:
     return {e["step"]: e["loss"] for e in events if "step" in e}
+
+
+@contextlib.contextmanager
+def closing_all(factory):
+    """A fixture's maker: ``make(*args)`` builds ``factory(*args)``; every one built is closed at the end."""
+    made = []
+
+    def make(*a, **kw):
+        c = factory(*a, **kw)
+        made.append(c)
+        return c
+
+    try:
+        yield make
+    finally:
+        for c in made:
+            c.close()

@@ -12,7 +12,7 @@ import time
 import pytest
 
 from etcd_server import Etcd, etcd_missing
-from procs import agent_call, kill9, start_agent, write_secret
+from procs import agent_call, closing_all, kill9, start_agent, write_secret
 from s3util import free_port
 from test_e2e_faults import _stage_raw
 
@@ -98,16 +98,8 @@ class EtcdCluster:
 
 @pytest.fixture
 def etcd_cluster(tmp_path):
-    made = []
-
-    def make(*a, **kw) -> EtcdCluster:
-        c = EtcdCluster(tmp_path, *a, **kw)
-        made.append(c)
-        return c
-
-    yield make
-    for c in made:
-        c.close()
+    with closing_all(lambda *a, **kw: EtcdCluster(tmp_path, *a, **kw)) as make:
+        yield make
 
 
 def test_a_node_replaced_at_a_new_address_is_taken_in_through_etcd_and_restores_from_peer_memory(etcd_cluster):

@@ -17,7 +17,7 @@ import time
 import pytest
 
 from netns import Hosts, unavailable
-from procs import agent_call, ckpt_cmd, kill9, start_agent, write_secret
+from procs import agent_call, closing_all, ckpt_cmd, kill9, start_agent, write_secret
 from test_e2e_faults import _stage_raw
 from test_e2e_multinode import reference  # noqa: F401 - the uninterrupted run's losses (a fixture)
 
@@ -156,16 +156,8 @@ class NetCluster:
 
 @pytest.fixture
 def net(tmp_path):
-    made: list[NetCluster] = []
-
-    def make(n: int) -> NetCluster:
-        c = NetCluster(tmp_path, n)
-        made.append(c)
-        return c
-
-    yield make
-    for c in made:
-        c.close()
+    with closing_all(lambda *a, **kw: NetCluster(tmp_path, *a, **kw)) as make:
+        yield make
 
 
 def test_agents_on_their_own_addresses_commit_every_step_on_every_node(net):

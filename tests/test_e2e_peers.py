@@ -335,3 +335,60 @@ def test_a_node_with_another_peers_file_is_named_in_status_and_the_log(tmp_path)
     finally:
         for a in agents:
             kill9(a)
+
+
+def test_a_memory_only_node_takes_replicas_up_to_its_limit_and_serves_restores(tmp_path):
+    """Nodes 0 and 1 train; node 2 trains nothing (role=memory, --memory-only) and takes both nodes' copies.
+    Past its --memory-limit a copy is refused with the reason, the step still commits and stays with its
+    primary; a save sent to it is refused; and when node 0 is lost, rank 0 restores from node 2's memory."""
+    secret = write_secret(str(tmp_path / "secret"))
+    ports = [free_port() for _ in range(3)]
+    peers = str(tmp_path / "peers.txt")
+    with open(peers, "w") as f:
+        f.write(f"127.0.0.1:{ports[0]}\n127.0.0.1:{ports[1]}\n127.0.0.1:{ports[2]} role=memory\n")
+    shm = [str(tmp_path / f"node{i}" / "shm") for i in range(3)]
+    agents = {}
+    try:
+        for i in range(3):
+            os.makedirs(os.path.dirname(shm[i]))
+            extra = ["--memory-only", "--memory-limit", str(5 << 19)] if i == 2 else []  # 2.5 MiB
+            agents[i] = start_agent(shm[i], "--node-rank", str(i), "--peers", peers, "--secret-file", secret,
+                                    *FAST, *extra)
+        path = lambda i, s, r: os.path.join(shm[i], "pool", f"step-{s}", f"rank-{r}.shard")  # noqa: E731
+
+        def save(step: int) -> dict[int, bytes]:
+            out = {}
+            for r in (0, 1):
+                out[r] = _stage_raw(shm[r], "pool", step, 1 << 20, rank=r, world=2)
+            for r in (0, 1):
+                assert agent_call(shm[r], "wait", job="pool", step=step, timeout=60)["done"]
+            return out
+
+        first = save(1)
+        for r in (0, 1):  # both copies on the memory node, none on the other trainer
+            assert open(path(2, 1, r), "rb").read() == first[r]
+            assert not os.path.exists(path(1 - r, 1, r))
+        save(2)  # 2 MiB (and layouts) held: a third MiB would pass the 2.5 MiB limit
+        assert all(os.path.exists(os.path.join(shm[i], "pool", "step-2", "manifest.json")) for i in (0, 1))
+        assert not any(os.path.exists(path(2, 2, r)) for r in (0, 1))
+        deadline = time.monotonic() + 30
+        while not any("--memory-limit" in p["last_error"] for i in (0, 1)
+                      for p in agent_call(shm[i], "status")["peers"] if p["node"] == 2):
+            assert time.monotonic() < deadline, [agent_call(shm[i], "status")["peers"] for i in (0, 1)]
+            time.sleep(0.1)
+        for r in (0, 1):
+            assert os.path.exists(path(r, 2, r))  # a refused copy stays with its primary: nothing lost
+        with pytest.raises(Exception, match="memory-only"):
+            _stage_raw(shm[2], "pool", 3, 1 << 20)
+        kill9(agents.pop(0))
+        shutil.rmtree(shm[0])
+        tiers = [PeerTier(f"127.0.0.1:{p}", secret=load_secret(secret), node=99, timeout=5) for p in ports[1:]]
+        plan = plan_restore(scan_tiers(tiers, "pool"), "pool")
+        buf = bytearray(1 << 20)
+        report = fetch_shard(plan, 0, memoryview(buf))
+        # step 2's rank 0 was on node 0 alone (its copy refused): the newest step rank 0 can have is 1, on node 2
+        assert plan.step == 1, plan.step
+        assert report.tier == "peer" and bytes(buf) == first[0]
+    finally:
+        for a in agents.values():
+            kill9(a)

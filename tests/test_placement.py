@@ -741,3 +741,48 @@ def test_cli_mesh_rejects_unusable_flags_with_one_line_and_exit_2(argv, what, ca
     rc, out, err = _run(argv, capsys)
     assert rc == 2 and out == ""
     assert err.count("\n") == 1 and what in err
+
+
+# -- memory-only nodes -----------------------------------------------------------------------------
+
+def test_training_nodes_copy_to_the_memory_pool_spread_evenly_and_the_pool_holds_nothing_of_its_own():
+    from agents.placement import parse_peers
+
+    text = "".join(f"t{i}:1\n" for i in range(6)) + "".join(f"m{i}:1 role=memory\n" for i in range(3))
+    nodes = parse_peers(text)
+    pool = {6, 7, 8}
+    for k in (2, 3, 4):
+        load = dict.fromkeys(pool, 0)
+        for r in range(6):
+            t = replica_targets(nodes, r, k)
+            assert len(t) == k - 1 and len(set(t)) == k - 1 and r not in t
+            assert set(t) <= pool or len(t) > len(pool)  # the pool first; trainers only past its size
+            for x in t:
+                if x in pool:
+                    load[x] += 1
+        assert max(load.values()) - min(load.values()) <= 1, (k, load)
+    for m in pool:
+        assert replica_targets(nodes, m, 2) == []
+    h = holders(nodes, 2)
+    assert set(h) == set(range(6))  # a memory node has no checkpoint of its own to lose
+    assert survives(nodes, 2, "group", {6})  # losing one memory node loses no checkpoint
+    assert not survives(nodes, 2, "group", {0, replica_targets(nodes, 0, 2)[0]})
+
+
+def test_a_pool_copy_goes_to_another_failure_domain_where_one_is_left():
+    from agents.placement import parse_peers
+
+    nodes = parse_peers("a:1 domain=r1\nb:1 domain=r2\nm1:1 domain=r1 role=memory\nm2:1 domain=r2 role=memory\n")
+    assert replica_targets(nodes, 0, 2) == [3]  # a is in r1: its copy goes to m2, in r2
+    assert replica_targets(nodes, 1, 2) == [2]
+    assert sorted(replica_targets(nodes, 0, 3)) == [2, 3]
+
+
+def test_a_role_other_than_train_or_memory_is_refused_with_the_line():
+    from agents.placement import PeerListError, parse_peers
+
+    with pytest.raises(PeerListError, match="line 2: role 'spare' is neither train nor memory"):
+        parse_peers("a:1\nb:1 role=spare\n")
+    with pytest.raises(PeerListError, match="role given twice"):
+        parse_peers("a:1 role=memory role=train\n")
+    assert [n.role for n in parse_peers("a:1\nb:1 role=memory domain=r\n")] == ["train", "memory"]
