@@ -117,7 +117,7 @@ class Settings:
     dead_after: float = 5.0
     #: seconds a peer that never answered since this agent started has before it is declared dead (agents of
     #: a large cluster start over a minute or more); once it answered, ``dead_after`` applies
-    startup_grace: float = 60.0
+    startup_grace: float = 120.0
     #: nodes whose votes elect the commit root; 0 = a majority of the peers file (1 of 2 nodes). Below it no
     #: root is elected and nothing commits (a partition's minority side waits for the link); 1 lets any node
     #: be root alone

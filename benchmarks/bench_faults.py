@@ -3,7 +3,7 @@
     sudo python benchmarks/bench_faults.py [--nodes 4] [--trials 5] [--outage 30] [--faults blip,split]
 
 Each trial starts ``--nodes`` agents, one per namespace, each bound to its own address on a bridge, with
-every setting at its default (heartbeat 1 s, dead_after 5 s, start-up grace 60 s), and one rank per node
+every setting at its default (heartbeat 1 s, dead_after 5 s, start-up grace 120 s), and one rank per node
 (this process plays the trainers without torch: 1 MiB shards through the agents' sockets). Step 1 commits
 everywhere, then the fault lasts ``--outage`` seconds while every rank saves step 2:
 

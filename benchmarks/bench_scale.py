@@ -154,7 +154,8 @@ class AgentCluster:
     answer within ``start_timeout`` s (the ones started are stopped first).
     """
 
-    def __init__(self, n: int, *, replicas: int, start_timeout: float, agent_args: tuple[str, ...] = ()) -> None:
+    def __init__(self, n: int, *, replicas: int, start_timeout: float, agent_args: tuple[str, ...] = (),
+                 start_over: float = 0.0) -> None:
         self.n = n
         base = "/dev/shm" if os.path.isdir("/dev/shm") else None
         _sweep_stale(base)
@@ -178,6 +179,8 @@ class AgentCluster:
             # every agent is started before any is waited for: started one by one, the first would
             # spend the others' start-up heartbeating peers that are not there yet
             for i in range(n):
+                if start_over and i:
+                    time.sleep(start_over / n)  # agents of a big cluster come up over a while, not at once
                 os.makedirs(self.shm(i))
                 log = open(self.log_path(i), "ab")
                 self._logs.append(log)
@@ -187,7 +190,7 @@ class AgentCluster:
                      *agent_args],
                     stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=env, start_new_session=True,
                     preexec_fn=_die_with_parent))
-            deadline = time.monotonic() + start_timeout
+            deadline = time.monotonic() + start_timeout + start_over
             for i in range(n):
                 while True:
                     c = AgentClient.try_connect(socket_path_for(self.shm(i)), timeout=60)
@@ -501,6 +504,7 @@ def _oldest_heartbeat(cluster: AgentCluster, pool) -> tuple[float | None, int]:
 
 def run_agents(n: int, *, ranks_per_node: int = 8, shard_bytes: int = 4096, replicas: int = 2, steps: int = 5,
                idle_seconds: float = 5.0, settle_seconds: float = 10.0, step_timeout: float = 60.0,
+               start_over: float = 0.0,
                max_seconds: float = 600.0,
                tensors_per_rank: int = 1, max_never: int = 2, agent_args: tuple[str, ...] = (),
                log: Callable[[str], None] = lambda s: print(s, file=sys.stderr, flush=True)) -> ScaleRun:
@@ -518,7 +522,7 @@ def run_agents(n: int, *, ranks_per_node: int = 8, shard_bytes: int = 4096, repl
     log(f"N={n}: starting {n} agents")
     try:
         cluster = AgentCluster(n, replicas=replicas, start_timeout=min(120.0, max(left(), 1.0)),
-                               agent_args=agent_args)
+                               agent_args=agent_args, start_over=start_over)
     except RuntimeError as e:
         res.notes.append(f"start-up failed: {e}")
         return res
@@ -1013,6 +1017,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="wait after start-up before the idle window, s")
     ap.add_argument("--step-timeout", type=float, default=60.0, help="seconds before a step counts as never done")
     ap.add_argument("--max-seconds-per-n", type=float, default=600.0)
+    ap.add_argument("--start-over", type=float, default=0.0,
+                    help="seconds over which the agents are started, evenly (0: all at once)")
     ap.add_argument("--max-never", type=int, default=2,
                     help="stop an N's steps after this many in a row never complete")
     a = ap.parse_args(argv)
@@ -1041,8 +1047,8 @@ def main(argv: list[str] | None = None) -> int:
         for n in nodes:
             runs.append(run_agents(n, ranks_per_node=a.ranks_per_node, shard_bytes=a.shard_kib << 10,
                                    replicas=a.replicas, steps=a.steps, idle_seconds=a.idle_seconds,
-                                   settle_seconds=a.settle_seconds,
-                                   step_timeout=a.step_timeout, max_seconds=a.max_seconds_per_n,
+                                   settle_seconds=a.settle_seconds, start_over=a.start_over,
+                                   step_timeout=a.step_timeout, max_seconds=a.max_seconds_per_n + a.start_over,
                                    tensors_per_rank=a.tensors_per_rank, max_never=a.max_never))
     except KeyboardInterrupt:
         print("\ninterrupted: the tables hold the N measured so far", file=sys.stderr)

@@ -931,7 +931,7 @@ def build_parser() -> argparse.ArgumentParser:
     ag.add_argument("--etcd-lease", type=float,
                     help="seconds this node's etcd lease lives without a keep-alive (default: --dead-after)")
     ag.add_argument("--startup-grace", type=float,
-                    help="seconds a peer that has not answered yet has before it is declared dead (default 60)")
+                    help="seconds a peer that has not answered yet has before it is declared dead (default 120)")
     ag.add_argument("--quorum", type=int, help="votes that elect the commit root (default: a majority of the peers)")
     ag.add_argument("--no-prefetch", dest="prefetch", action="store_false", default=None,
                     help="at start, do not pull this node's shards of the newest steps from its peers")
