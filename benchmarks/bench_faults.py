@@ -1,6 +1,7 @@
 """Network faults under a real cluster layout: agents in Linux network namespaces, links taken down and split.
 
-    sudo python benchmarks/bench_faults.py [--nodes 4] [--trials 5] [--outage 30] [--faults blip,split]
+    sudo python benchmarks/bench_faults.py [--nodes 4] [--memory-nodes 1] [--trials 5] [--outage 30]
+        [--faults blip,split,replace]
 
 Each trial starts ``--nodes`` agents, one per namespace, each bound to its own address on a bridge, with
 every setting at its default (heartbeat 1 s, dead_after 5 s, start-up grace 120 s), and one rank per node
@@ -65,15 +66,17 @@ def replace_trial(nodes: int, root: pathlib.Path) -> dict:
         c.close()
 
 
-def trial(fault: str, nodes: int, outage: float, root: pathlib.Path) -> dict:
+def trial(fault: str, nodes: int, outage: float, root: pathlib.Path, memory: int = 0) -> dict:
     import test_e2e_netns as t
 
     t.ARGS = []  # every setting at its default
-    c = t.NetCluster(root, nodes)
+    c = t.NetCluster(root, nodes + memory, memory=memory)
     try:
         c.stage(fault, 1)
         c.wait_for(lambda: c.committed_everywhere(fault, 1), "step 1 on every node", timeout=120)
-        side = {nodes - 1} if fault == "blip" else set(range(nodes // 2, nodes))
+        # the blip cuts the last training node; the split puts the second half of the training nodes and the
+        # memory nodes on one side
+        side = {nodes - 1} if fault == "blip" else set(range(nodes // 2, nodes + memory))
         if fault == "blip":
             c.hosts.link(nodes - 1, up=False)
         else:
@@ -84,9 +87,9 @@ def trial(fault: str, nodes: int, outage: float, root: pathlib.Path) -> dict:
         # outage would be a commit without every rank
         early = 0
         while time.monotonic() - t0 < outage:
-            early += sum(c.manifest(i, fault, 2) is not None for i in range(nodes))
+            early += sum(c.manifest(i, fault, 2) is not None for i in range(nodes + memory))
             time.sleep(0.5)
-        blocked = [i for i in range(nodes) if c.status(i)["tree"]["blocked"]]
+        blocked = [i for i in range(nodes + memory) if c.status(i)["tree"]["blocked"]]
         if fault == "blip":
             c.hosts.link(nodes - 1, up=True)
         else:
@@ -94,14 +97,15 @@ def trial(fault: str, nodes: int, outage: float, root: pathlib.Path) -> dict:
         heal_s = c.wait_for(lambda: c.committed_everywhere(fault, 2), "step 2 on every node", timeout=300)
         c.stage(fault, 3)
         c.wait_for(lambda: c.committed_everywhere(fault, 3), "step 3 on every node", timeout=120)
-        rest = set(range(nodes)) - side
+        rest = set(range(nodes + memory)) - side
         false = c.false_deaths(rest) + c.false_deaths(side)
         roots: dict[int, set[int]] = {}
-        for i in range(nodes):
+        for i in range(nodes + memory):
             for e in c.status(i)["tree"]["won_epochs"]:
                 roots.setdefault(e, set()).add(i)
-        two_manifests = sum(len({c.manifest(i, fault, s) for i in range(nodes)} - {None}) > 1 for s in (1, 2, 3))
-        late = sum(len(re.findall(r"request timestamp is", c.log(i))) for i in range(nodes))
+        two_manifests = sum(len({c.manifest(i, fault, s) for i in range(nodes + memory)} - {None}) > 1
+                            for s in (1, 2, 3))
+        late = sum(len(re.findall(r"request timestamp is", c.log(i))) for i in range(nodes + memory))
         return {"false_deaths": len(false), "two_roots": sum(len(r) > 1 for r in roots.values()),
                 "partial": early, "two_manifests": two_manifests,
                 "late_refused": late, "heal_s": heal_s, "blocked": len(blocked), "resumed": True}
@@ -115,6 +119,7 @@ def main() -> int:
     ap.add_argument("--trials", type=int, default=5)
     ap.add_argument("--outage", type=float, default=30.0)
     ap.add_argument("--faults", default="blip,split")
+    ap.add_argument("--memory-nodes", type=int, default=0, help="memory-only nodes beside the training nodes")
     a = ap.parse_args()
     from netns import unavailable
 
@@ -122,7 +127,8 @@ def main() -> int:
     if why:
         print(f"bench_faults: cannot run here: {why}")
         return 2
-    print(f"{a.nodes} nodes in network namespaces, one agent each at default settings (dead_after "
+    print(f"{a.nodes} training nodes and {a.memory_nodes} memory-only in network namespaces, one agent each at "
+          f"default settings (dead_after "
           f"{DEAD_AFTER:.0f} s), outage {a.outage:.0f} s, {a.trials} trials per fault\n")
     print("| fault | trials | healthy declared dead | epochs with 2 roots | partial-world commits | steps with 2 manifests"
           " | late requests refused | step 2 everywhere after the network is back, s median / max | within 2 x "
@@ -133,7 +139,7 @@ def main() -> int:
         runs = []
         for k in range(a.trials):
             with tempfile.TemporaryDirectory(prefix="bench-faults-") as d:
-                runs.append(trial(fault, a.nodes, a.outage, pathlib.Path(d)))
+                runs.append(trial(fault, a.nodes, a.outage, pathlib.Path(d), a.memory_nodes))
             print(f"  {fault} trial {k + 1}: {runs[-1]}", file=sys.stderr)
         heal = [r["heal_s"] for r in runs]
         print(f"| {fault} | {len(runs)} | {sum(r['false_deaths'] for r in runs)} | {sum(r['two_roots'] for r in runs)} | "

@@ -35,12 +35,14 @@ ARGS = ["--heartbeat", "0.2", "--dead-after", str(DEAD_AFTER), "--startup-grace"
 
 
 class NetCluster:
-    """``n`` agents, node ``i`` in namespace ``i`` at its own address, one rank per node."""
+    """``n`` agents, node ``i`` in namespace ``i`` at its own address, one rank per training node; the last
+    ``memory`` nodes are memory-only (they train nothing and take the others' copies)."""
 
-    def __init__(self, root, n: int) -> None:
+    def __init__(self, root, n: int, memory: int = 0) -> None:
         self.root = root
         self.hosts = Hosts(n)
         self.n = n
+        self.memory = memory
         self.peers = str(root / "peers.txt")
         self.moved = {}
         self.write_peers()
@@ -65,14 +67,19 @@ class NetCluster:
     def write_peers(self) -> None:
         tmp = self.peers + ".tmp"
         with open(tmp, "w") as f:
-            f.writelines(f"{self.hosts.addr(self.host(i))}:{PORT}\n" for i in range(self.n))
+            f.writelines(f"{self.hosts.addr(self.host(i))}:{PORT}{' role=memory' if self.is_memory(i) else ''}\n"
+                         for i in range(self.n))
         os.replace(tmp, self.peers)  # each agent reads a whole file, old or new
+
+    def is_memory(self, i: int) -> bool:
+        return i >= self.n - self.memory
 
     def start(self, i: int) -> None:
         os.makedirs(os.path.dirname(self.shm(i)), exist_ok=True)
         # every node runs the same command: its rank is the line of the peers file with its own address
         self.procs[i] = start_agent(self.shm(i), "--node-rank", "auto", "--peers", self.peers, "--secret-file",
-                                    self.secret, *ARGS, prefix=self.hosts.prefix(self.host(i)))
+                                    self.secret, *ARGS, *(["--memory-only"] if self.is_memory(i) else []),
+                                    prefix=self.hosts.prefix(self.host(i)))
 
     def replace(self, i: int) -> None:
         """Node ``i``'s machine is lost (agent killed, memory gone); a new machine at a new address takes
@@ -101,13 +108,15 @@ class NetCluster:
         """Rank ``i`` of a world of ``n`` hands its shard of ``step`` to node ``i``'s agent, all at once."""
         errors: list[BaseException] = []
 
+        world = self.n - self.memory
+
         def one(i: int) -> None:
             try:
-                _stage_raw(self.shm(i), job, step, 1 << 20, rank=i, world=self.n)
+                _stage_raw(self.shm(i), job, step, 1 << 20, rank=i, world=world)
             except BaseException as e:  # noqa: BLE001 - reported below
                 errors.append(e)
 
-        threads = [threading.Thread(target=one, args=(i,)) for i in (range(self.n) if nodes is None else nodes)]
+        threads = [threading.Thread(target=one, args=(i,)) for i in (range(world) if nodes is None else nodes)]
         for t in threads:
             t.start()
         for t in threads:
