@@ -8,8 +8,9 @@ it as they would a hand-written one, and the agent takes changed addresses in wh
 (:meth:`agents.replicator.Replicator.reload_peers`). So a node replaced at a new address is seen by every
 agent as soon as its new agent registers, with no file to edit anywhere.
 
-* A rank whose key is gone (its lease expired: the agent died or lost etcd for longer than the lease) is
-  declared dead for placement and healing at once, without waiting for heartbeats.
+* A rank whose key is gone (its lease expired: the agent died, or lost etcd for longer than the lease) is
+  asked once, directly; if it does not answer it is declared dead for placement and healing at once,
+  without waiting for heartbeats. It keeps its last address in the file.
 * A rank not registered yet is listed at an address nothing answers (``unregistered-R.invalid``): its
   peers see it as not started, under the start-up grace, and take its address in when it registers.
   No agent waits at start for the others.
@@ -163,7 +164,9 @@ class EtcdDirectory:
         self.path = os.path.join(settings.shm, ".peers.txt")
         self.ttl = max(2, int(round(settings.etcd_lease or settings.dead_after)))
         self.lease = 0
+        #: every rank's last registration (kept when its lease runs out), and the ranks registered now
         self.nodes: dict[int, dict] = {}
+        self.registered: set[int] = set()
         self.on_gone = on_gone
         self.outage_since: float | None = None
         self.last_error = ""
@@ -195,8 +198,8 @@ class EtcdDirectory:
             log.warning("etcd lists node %s, outside the %d nodes of cluster %s: ignored", key, self.settings.nodes,
                         self.settings.cluster)
             return None
-        if value is None:
-            self.nodes.pop(rank, None)
+        if value is None:  # its lease ran out: it keeps its last address (it may register again)
+            self.registered.discard(rank)
             return rank
         try:
             obj = json.loads(value)
@@ -206,6 +209,7 @@ class EtcdDirectory:
             log.warning("etcd holds a malformed entry for node %d (%s): ignored", rank, e)
             return None
         self.nodes[rank] = obj
+        self.registered.add(rank)
         return rank
 
     # -- start ------------------------------------------------------------------------------
@@ -219,7 +223,9 @@ class EtcdDirectory:
         try:
             while True:
                 try:
-                    await self._register()
+                    # a lease long enough for the agent to start: the first thing run() does is register again
+                    # under a lease of the usual length, so start-up time never passes for a death
+                    await self._register(self.ttl + int(self.settings.startup_grace))
                     kvs, self.revision = await self.client.range(self.prefix)
                     break
                 except EtcdError as e:
@@ -227,7 +233,7 @@ class EtcdDirectory:
                         raise
                     log.warning("waiting for etcd to register this node: %s", e)
                     await asyncio.sleep(1.0)
-            self.nodes = {}
+            self.nodes, self.registered = {}, set()
             for k, v in kvs.items():
                 self._take(k, v)
             missing = self.settings.nodes - len(self.nodes)
@@ -239,8 +245,8 @@ class EtcdDirectory:
         finally:
             await self.client.close()
 
-    async def _register(self) -> None:
-        self.lease = await self.client.grant(self.ttl)
+    async def _register(self, ttl: int | None = None) -> None:
+        self.lease = await self.client.grant(ttl or self.ttl)
         await self.client.put(f"{self.prefix}{self.settings.node_rank}", json.dumps(self._me()).encode(), self.lease)
 
     # -- running ----------------------------------------------------------------------------
@@ -265,6 +271,10 @@ class EtcdDirectory:
         self.last_error = ""
 
     async def _keep(self) -> None:
+        try:
+            await self._register()
+        except EtcdError as e:
+            self._outage(e)
         while True:
             await asyncio.sleep(self.ttl / 3)
             try:
@@ -282,10 +292,12 @@ class EtcdDirectory:
                 self.revision = rev
                 self._back()
                 async for kind, key, value in self.client.watch(self.prefix, rev + 1):
+                    before = dict(self.nodes)
                     rank = self._take(key, None if kind == "DELETE" else value)
                     if rank is None:
                         continue
-                    self._write()
+                    if self.nodes != before:
+                        self._write()
                     if kind == "DELETE" and rank != self.settings.node_rank and self.on_gone is not None:
                         self.on_gone(rank)
             except EtcdError as e:
@@ -297,18 +309,18 @@ class EtcdDirectory:
             await asyncio.sleep(1.0)
 
     def _apply_all(self, kvs: dict[str, bytes]) -> None:
-        before = dict(self.nodes)
-        self.nodes = {}
+        before, was = dict(self.nodes), set(self.registered)
+        self.registered = set()
         for k, v in kvs.items():
             self._take(k, v)
         if self.nodes != before:
             self._write()
-            if self.on_gone is not None:
-                for r in set(before) - set(self.nodes) - {self.settings.node_rank}:
-                    self.on_gone(r)
+        if self.on_gone is not None:
+            for r in was - self.registered - {self.settings.node_rank}:
+                self.on_gone(r)
 
     def status(self) -> dict:
         return {"etcd": self.client.endpoints, "cluster": self.settings.cluster, "lease": self.lease,
-                "registered": sorted(self.nodes), "revision": self.revision,
+                "registered": sorted(self.registered), "revision": self.revision,
                 "outage_s": None if self.outage_since is None else round(time.monotonic() - self.outage_since, 1),
                 "last_error": self.last_error}

@@ -712,13 +712,26 @@ class Replicator:
             await asyncio.sleep(self.settings.heartbeat)
 
     def member_gone(self, r: int) -> None:
-        """Node ``r``'s registration in the membership store is gone (its lease expired): dead for placement
-        and healing now, without waiting for the heartbeats (which bring it back if it still answers)."""
-        if r in self.members.peers and self.members.mark("dead", r):
-            log.warning("node %d (%s) declared dead: its etcd lease expired", r, self.members.nodes[r].addr)
-            self.layouts.forget_place(f"node-{r}")
-            self.dis.report("dead", r)
-            self._membership_changed()
+        """Node ``r``'s registration in the membership store is gone (its lease expired): unless it answers a
+        health check now, it is dead for placement and healing at once, without waiting for the heartbeats.
+        (A lease also runs out when etcd itself was away, or slow to come back: a node that still answers
+        is kept, and registers again.)"""
+        if r not in self.members.peers or not self.members.peers[r].alive:
+            return
+
+        async def check() -> None:
+            if await self._probe(r):
+                log.info("node %d's etcd lease expired but it answers: kept alive (it registers again)", r)
+                return
+            if self.members.mark("dead", r):
+                log.warning("node %d (%s) declared dead: its etcd lease expired and it does not answer", r,
+                            self.members.nodes[r].addr)
+                self.layouts.forget_place(f"node-{r}")
+                self.dis.report("dead", r)
+                self._membership_changed()
+
+        self._tasks = [t for t in self._tasks if not t.done()]
+        self._tasks.append(asyncio.ensure_future(check()))
 
     def reload_peers(self) -> list[int]:
         """Read the peers file again and take in the nodes whose address or domain changed (a node replaced

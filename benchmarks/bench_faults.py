@@ -10,6 +10,8 @@ everywhere, then the fault lasts ``--outage`` seconds while every rank saves ste
 
 * ``blip``: the last node's link is down;
 * ``split``: the nodes are cut into two halves;
+* ``etcd``: membership from a 3-member etcd (loopback, the tests' cluster settings), all of etcd down for
+  ``--outage`` s while every rank saves every 2 s; counted: saves committed, saves failed, deaths;
 * ``replace``: the last node's machine is lost (agent killed, memory gone) and a new machine at a new address
   takes its line of the peers file (no outage wait); timed: until every running agent answers it at the new
   address, and until its agent holds its ranks' shards again from its partner's memory (warm restore).
@@ -37,6 +39,40 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests"))
 
 DEAD_AFTER = 5.0  # the default
+
+
+def etcd_trial(nodes: int, outage: float, root: pathlib.Path) -> dict:
+    """Membership from a 3-member etcd; all of etcd is down for ``outage`` s while every rank saves every 2 s."""
+    import test_e2e_etcd as te
+
+    c = te.EtcdCluster(root, nodes, members=3)
+    try:
+        step, failed, saved = 1, 0, 0
+        c.stage("etcd", step, list(range(nodes)))
+        c.wait_for(lambda: all(c.manifest(i, "etcd", 1) for i in range(nodes)), "step 1 on every node")
+        for i in range(3):
+            c.etcd.stop(i)
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < outage:
+            step += 1
+            try:
+                c.stage("etcd", step, list(range(nodes)))
+                c.wait_for(lambda s=step: all(c.manifest(i, "etcd", s) for i in range(nodes)), f"step {step}",
+                           timeout=60)
+                saved += 1
+            except AssertionError:
+                failed += 1
+            time.sleep(2.0)
+        for i in range(3):
+            c.etcd.start(i, wait=False)
+        for i in range(3):
+            c.etcd.wait_ready(i)
+        c.wait_for(lambda: all(c.status(i)["etcd"]["outage_s"] is None for i in range(nodes)), "etcd back",
+                   timeout=120)
+        deaths = sum(len(re.findall(r"node \d+ \(\S+\) declared dead", c.log(i))) for i in range(nodes))
+        return {"saved": saved, "failed": failed, "false_deaths": deaths}
+    finally:
+        c.close()
 
 
 def replace_trial(nodes: int, root: pathlib.Path) -> dict:
@@ -135,7 +171,7 @@ def main() -> int:
           "dead_after | checkpointing resumed |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     faults = a.faults.split(",")
-    for fault in [f for f in faults if f != "replace"]:
+    for fault in [f for f in faults if f not in ("replace", "etcd")]:
         runs = []
         for k in range(a.trials):
             with tempfile.TemporaryDirectory(prefix="bench-faults-") as d:
@@ -146,6 +182,16 @@ def main() -> int:
               f"{sum(r['partial'] for r in runs)} | {sum(r['two_manifests'] for r in runs)} | "
               f"{sum(r['late_refused'] for r in runs)} | {statistics.median(heal):.1f} / {max(heal):.1f} | "
               f"{sum(h <= 2 * DEAD_AFTER for h in heal)}/{len(heal)} | {sum(r['resumed'] for r in runs)}/{len(runs)} |")
+    if "etcd" in faults:
+        runs = []
+        for k in range(a.trials):
+            with tempfile.TemporaryDirectory(prefix="bench-faults-") as d:
+                runs.append(etcd_trial(a.nodes, a.outage, pathlib.Path(d)))
+            print(f"  etcd trial {k + 1}: {runs[-1]}", file=sys.stderr)
+        print(f"\n| etcd (3 members) down {a.outage:.0f} s, membership from etcd | trials | saves committed everywhere "
+              "during the outage | saves failed | nodes declared dead |\n|---|---|---|---|---|")
+        print(f"| all members down | {len(runs)} | {sum(r['saved'] for r in runs)} | {sum(r['failed'] for r in runs)} | "
+              f"{sum(r['false_deaths'] for r in runs)} |")
     if "replace" in faults:
         runs = []
         for k in range(a.trials):

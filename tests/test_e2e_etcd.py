@@ -155,7 +155,7 @@ def test_an_expired_lease_is_a_death_and_an_etcd_outage_is_not(etcd_cluster):
     # node 1 killed: its lease expires and the others declare it dead for that
     kill9(c.procs.pop(1))
     killed = time.monotonic()
-    c.wait_for(lambda: all("node 1 (127.0.0.1" in c.log(i) and "declared dead: its etcd lease expired" in c.log(i)
+    c.wait_for(lambda: all("node 1 (127.0.0.1" in c.log(i) and "declared dead: its etcd lease expired and it does not answer" in c.log(i)
                            for i in (0, 2)), "node 1 dead on nodes 0 and 2, by its lease")
     assert time.monotonic() - killed < 10  # before any heartbeat could have said so
     c.wait_for(lambda: all(not p["alive"] for i in (0, 2) for p in c.status(i)["peers"] if p["node"] == 1),
