@@ -12,6 +12,7 @@ everywhere, then the fault lasts ``--outage`` seconds while every rank saves ste
 * ``split``: the nodes are cut into two halves;
 * ``etcd``: membership from a 3-member etcd (loopback, the tests' cluster settings), all of etcd down for
   ``--outage`` s while every rank saves every 2 s; counted: saves committed, saves failed, deaths;
+* ``etcd-replace``: the same with membership from etcd (loopback): no file is edited, the new agent registers;
 * ``replace``: the last node's machine is lost (agent killed, memory gone) and a new machine at a new address
   takes its line of the peers file (no outage wait); timed: until every running agent answers it at the new
   address, and until its agent holds its ranks' shards again from its partner's memory (warm restore).
@@ -71,6 +72,32 @@ def etcd_trial(nodes: int, outage: float, root: pathlib.Path) -> dict:
                    timeout=120)
         deaths = sum(len(re.findall(r"node \d+ \(\S+\) declared dead", c.log(i))) for i in range(nodes))
         return {"saved": saved, "failed": failed, "false_deaths": deaths}
+    finally:
+        c.close()
+
+
+def etcd_replace_trial(nodes: int, root: pathlib.Path) -> dict:
+    """Membership from etcd (one member, loopback): the last node's machine is lost and a new agent with its
+    rank registers at a new address. Timed: until every running agent answers it there, through the watch."""
+    import test_e2e_etcd as te
+    from procs import agent_call
+
+    c = te.EtcdCluster(root, nodes, members=1)
+    try:
+        c.stage("er", 1, list(range(nodes)))
+        c.wait_for(lambda: all(c.manifest(i, "er", 1) for i in range(nodes)), "step 1 on every node")
+        last = nodes - 1
+        t0 = time.monotonic()
+        c.replace(last)
+        started = time.monotonic() - t0
+        new = f"127.0.0.1:{c.ports[last]}"
+        c.wait_for(lambda: all(p["addr"] == new and p["alive"] for i in range(last)
+                               for p in c.status(i)["peers"] if p["node"] == last), "new address seen")
+        seen = time.monotonic() - t0
+        warm = agent_call(c.shm(last), "prefetch", timeout=300)["seconds"]
+        c.stage("er", 2, list(range(nodes)))
+        c.wait_for(lambda: all(c.manifest(i, "er", 2) for i in range(nodes)), "step 2 on every node")
+        return {"agent_start_s": started, "seen_s": seen, "warm_s": warm, "resumed": True}
     finally:
         c.close()
 
@@ -171,7 +198,7 @@ def main() -> int:
           "dead_after | checkpointing resumed |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     faults = a.faults.split(",")
-    for fault in [f for f in faults if f not in ("replace", "etcd")]:
+    for fault in [f for f in faults if f not in ("replace", "etcd", "etcd-replace")]:
         runs = []
         for k in range(a.trials):
             with tempfile.TemporaryDirectory(prefix="bench-faults-") as d:
@@ -192,13 +219,16 @@ def main() -> int:
               "during the outage | saves failed | nodes declared dead |\n|---|---|---|---|---|")
         print(f"| all members down | {len(runs)} | {sum(r['saved'] for r in runs)} | {sum(r['failed'] for r in runs)} | "
               f"{sum(r['false_deaths'] for r in runs)} |")
-    if "replace" in faults:
+    for kind, fn, what in (("replace", replace_trial, "peers file, network namespaces"),
+                           ("etcd-replace", etcd_replace_trial, "etcd watch, loopback, heartbeat 0.2 s")):
+        if kind not in faults:
+            continue
         runs = []
         for k in range(a.trials):
             with tempfile.TemporaryDirectory(prefix="bench-faults-") as d:
-                runs.append(replace_trial(a.nodes, pathlib.Path(d)))
-            print(f"  replace trial {k + 1}: {runs[-1]}", file=sys.stderr)
-        print("\n| node replaced at a new address (peers file) | median / max, s |\n|---|---|")
+                runs.append(fn(a.nodes, pathlib.Path(d)))
+            print(f"  {kind} trial {k + 1}: {runs[-1]}", file=sys.stderr)
+        print(f"\n| node replaced at a new address ({what}) | median / max, s |\n|---|---|")
         for name, key in (("its agent up", "agent_start_s"), ("its warm restore (shards back from the partner's memory)", "warm_s"),
                           ("every running agent answers it at the new address", "seen_s")):
             v = [r[key] for r in runs]
