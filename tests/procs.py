@@ -175,3 +175,35 @@ def closing_all(factory):
     finally:
         for c in made:
             c.close()
+
+
+class AgentGroup:
+    """What the multi-node test clusters share: node ``i``'s agent process in ``procs[i]``, its memory folder
+    ``shm(i)`` (the subclass's), its status and log, waiting for a condition, and stopping every agent."""
+
+    procs: dict
+
+    def shm(self, i: int) -> str:
+        raise NotImplementedError
+
+    def status(self, i: int) -> dict:
+        return agent_call(self.shm(i), "status")
+
+    def log(self, i: int) -> str:
+        with open(self.procs[i].log_path, errors="replace") as f:
+            return f.read()
+
+    def wait_for(self, cond, what: str, timeout: float = 90.0) -> float:
+        """Wait for ``cond()``; the seconds it took. On timeout, the agents' log tails are in the error."""
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < timeout:
+            if cond():
+                return time.monotonic() - t0
+            time.sleep(0.1)
+        tails = {i: self.log(i)[-2000:] for i in self.procs}
+        raise AssertionError(f"timed out waiting for {what}; agent logs: {tails}")
+
+    def stop_agents(self) -> None:
+        for p in self.procs.values():
+            if p.poll() is None:
+                kill9(p)

@@ -12,7 +12,7 @@ import time
 import pytest
 
 from etcd_server import Etcd, etcd_missing
-from procs import agent_call, closing_all, kill9, start_agent, write_secret
+from procs import AgentGroup, agent_call, closing_all, kill9, start_agent, write_secret
 from s3util import free_port
 from test_e2e_faults import _stage_raw
 
@@ -22,7 +22,7 @@ if _WHY is not None:
 pytestmark = [pytest.mark.e2e, pytest.mark.skipif(_WHY is not None, reason=_WHY or "")]
 
 
-class EtcdCluster:
+class EtcdCluster(AgentGroup):
     def __init__(self, root, n: int, members: int = 1, extra: tuple = ()) -> None:
         self.extra = list(extra)
         self.root = root
@@ -53,13 +53,6 @@ class EtcdCluster:
         self.ports[i] = free_port()
         self.start(i)
 
-    def status(self, i: int) -> dict:
-        return agent_call(self.shm(i), "status")
-
-    def log(self, i: int) -> str:
-        with open(self.procs[i].log_path, errors="replace") as f:
-            return f.read()
-
     def manifest(self, i: int, job: str, step: int) -> bool:
         return os.path.exists(os.path.join(self.shm(i), job, f"step-{step}", "manifest.json"))
 
@@ -81,18 +74,8 @@ class EtcdCluster:
             t.join()
         assert not errs, errs
 
-    def wait_for(self, cond, what: str, timeout: float = 90.0) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if cond():
-                return
-            time.sleep(0.1)
-        raise AssertionError(f"timed out waiting for {what}; logs: { {i: self.log(i)[-1500:] for i in self.procs} }")
-
     def close(self) -> None:
-        for p in self.procs.values():
-            if p.poll() is None:
-                kill9(p)
+        self.stop_agents()
         self.etcd.close()
 
 

@@ -17,7 +17,7 @@ import time
 import pytest
 
 from netns import Hosts, unavailable
-from procs import agent_call, closing_all, ckpt_cmd, kill9, start_agent, write_secret
+from procs import AgentGroup, agent_call, closing_all, ckpt_cmd, kill9, start_agent, write_secret
 from test_e2e_faults import _stage_raw
 from test_e2e_multinode import reference  # noqa: F401 - the uninterrupted run's losses (a fixture)
 
@@ -34,7 +34,7 @@ DEAD_AFTER = 2.0
 ARGS = ["--heartbeat", "0.2", "--dead-after", str(DEAD_AFTER), "--startup-grace", "5", "--replicas", "2"]
 
 
-class NetCluster:
+class NetCluster(AgentGroup):
     """``n`` agents, node ``i`` in namespace ``i`` at its own address, one rank per training node; the last
     ``memory`` nodes are memory-only (they train nothing and take the others' copies)."""
 
@@ -57,8 +57,6 @@ class NetCluster:
 
     def shm(self, i: int) -> str:
         return str(self.root / f"node{i}" / "shm") if i not in self.moved else str(self.root / f"node{i}-new" / "shm")
-
-    moved: dict[int, int] = {}
 
     def host(self, i: int) -> int:
         """The namespace node ``i`` runs in (another one once it was replaced)."""
@@ -90,13 +88,6 @@ class NetCluster:
         self.write_peers()
         self.start(i)
 
-    def status(self, i: int) -> dict:
-        return agent_call(self.shm(i), "status")
-
-    def log(self, i: int) -> str:
-        with open(self.procs[i].log_path, errors="replace") as f:
-            return f.read()
-
     def manifest(self, i: int, job: str, step: int) -> bytes | None:
         try:
             with open(os.path.join(self.shm(i), job, f"step-{step}", "manifest.json"), "rb") as f:
@@ -123,15 +114,6 @@ class NetCluster:
             t.join()
         assert not errors, errors
 
-    def wait_for(self, cond, what: str, timeout: float = 90.0) -> float:
-        t0 = time.monotonic()
-        while time.monotonic() - t0 < timeout:
-            if cond():
-                return time.monotonic() - t0
-            time.sleep(0.1)
-        tails = {i: self.log(i)[-2000:] for i in self.procs}
-        raise AssertionError(f"timed out waiting for {what}; agent logs: {tails}")
-
     def committed_everywhere(self, job: str, step: int) -> bool:
         return all(self.manifest(i, job, step) is not None for i in range(self.n))
 
@@ -156,10 +138,7 @@ class NetCluster:
         return out
 
     def close(self) -> None:
-        for p in self.procs.values():
-            if p.poll() is None:
-                kill9(p)
-        self.procs_done = True
+        self.stop_agents()
         self.hosts.close()
 
 
