@@ -85,6 +85,12 @@ class Hosts:
     def addr(self, i: int) -> str:
         return f"{self.net}.{10 + i}"
 
+    def gateway(self) -> str:
+        """Give this (the tests') namespace an address on the main bridge, so it reaches the nodes; return it."""
+        addr = f"{self.net}.1"
+        _ip("addr", "replace", f"{addr}/24", "dev", self.bridges[0])
+        return addr
+
     def ifname(self, i: int) -> str:
         """Node ``i``'s network interface, inside its namespace (for GLOO_SOCKET_IFNAME)."""
         return f"{self.tag}i{i}"

@@ -170,9 +170,11 @@ class FaultProxy:
     ``fail_next(n, status, code)``: the next ``n`` connections each read one
     request and answer it with an S3 error (``Connection: close``).
     ``connections``: how many connections were accepted so far.
+    ``rate``: bytes/s each connection is paced to in each direction (None: as fast as it goes).
     """
 
-    def __init__(self, target_url: str) -> None:
+    def __init__(self, target_url: str, rate: float | None = None) -> None:
+        self.rate = rate
         t = urlsplit(target_url)
         self._target = (t.hostname or "127.0.0.1", t.port or 80)
         self._listener = socket.create_server(("127.0.0.1", 0))
@@ -258,10 +260,12 @@ class FaultProxy:
     def _pump(self, src: socket.socket, dst: socket.socket) -> None:
         try:
             while True:
-                data = src.recv(256 * 1024)
+                data = src.recv(64 * 1024 if self.rate else 256 * 1024)
                 if not data:
                     break
                 dst.sendall(data)
+                if self.rate:
+                    time.sleep(len(data) / self.rate)
         except OSError:
             pass
         with self._lock:

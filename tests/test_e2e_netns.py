@@ -284,3 +284,49 @@ def test_torchrun_across_two_hosts_resumes_bit_exact_from_memory_after_a_rank_is
         after = events[events.index(restored[0]) + 1:]
         assert {e["step"]: e["loss"] for e in after} == {s: reference[rank][s] for s in range(8, STEPS)}
         assert losses(events[:events.index(restored[0])]) == {s: reference[rank][s] for s in range(8)}
+
+
+def test_a_link_cut_in_the_middle_of_a_restore_falls_back_to_the_other_copy_and_never_gives_wrong_bytes(net):
+    """A restore of rank 3's shard reads node 3's copy first, slowly (through a pacing proxy, 8 MB/s), with node
+    2's copy as the next source. Node 3's link goes down in the middle of the read: the restore finishes
+    from node 2, and its bytes are the shard's, checksum-verified."""
+    import threading
+
+    from recovery import fetch_shard, plan_restore, scan_tiers
+    from s3util import FaultProxy
+    from tiers.peer import PeerTier
+    from tiers.wire import load_secret
+
+    c = net(4)
+    c.hosts.gateway()
+    data = {}
+
+    def one(i: int) -> None:  # 32 MiB shards: at 8 MB/s a read from node 3 takes about 4 s
+        data[i] = _stage_raw(c.shm(i), "cut", 1, 32 << 20, rank=i, world=4)
+
+    ts = [threading.Thread(target=one, args=(i,)) for i in range(4)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    c.wait_for(lambda: c.committed_everywhere("cut", 1), "step 1 on every node")
+    c.wait_for(lambda: os.path.exists(os.path.join(c.shm(2), "cut", "step-1", "rank-3.shard")), "node 2's copy")
+    secret = load_secret(c.secret)
+    with FaultProxy(f"http://{c.hosts.addr(3)}:{PORT}", rate=8e6) as slow:
+        first = PeerTier(slow.url.removeprefix("http://"), secret=secret, node=90, timeout=3, retries=0)
+        second = PeerTier(f"{c.hosts.addr(2)}:{PORT}", secret=secret, node=90, timeout=10)
+        plan = plan_restore(scan_tiers([first, second], "cut"), "cut", step=1, ranks=[3])
+        plan.sources[3] = [first, second]  # node 3's copy first, as a restore on a node near it would
+        cut = threading.Timer(1.0, c.hosts.link, args=(3,), kwargs={"up": False})  # well inside the ~4 s read
+        buf = bytearray(plan.manifest.shard(3).size)
+        cut.start()
+        try:
+            t0 = time.monotonic()
+            report = fetch_shard(plan, 3, memoryview(buf))
+        finally:
+            cut.join()
+            c.hosts.link(3, up=True)
+    assert time.monotonic() - t0 > 1.0  # the cut came while node 3's copy was being read
+    assert report.source.endswith(f"{c.hosts.addr(2)}:{PORT}"), report
+    assert len(report.failures) == 1 and slow.url.removeprefix("http://") in report.failures[0], report.failures
+    assert bytes(buf) == data[3]
