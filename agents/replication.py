@@ -69,9 +69,8 @@ class PeerState:
     node: Node
     last_seen: float | None = None
     alive: bool = True
-    #: whether it answered since this node started (until then ``startup_grace`` applies, not ``dead_after``)
-    answered: bool = False
-    #: when (monotonic) it last answered a health check
+    #: when (monotonic) it last answered a health check; None until it first does, and until then
+    #: ``startup_grace`` applies, not ``dead_after``
     last_answer: float | None = None
     bytes_held: int = 0
     sent_bytes: int = 0
@@ -112,7 +111,6 @@ class Membership:
         p = self.peers[rank]
         p.last_seen = p.last_answer = time.monotonic()
         p.bytes_held = bytes_held
-        p.answered = True
         revived = not p.alive
         p.alive = True
         return revived
@@ -120,7 +118,7 @@ class Membership:
     def silence_allowed(self, rank: int) -> float:
         """Seconds peer ``rank`` may be silent before it is declared dead."""
         p = self.peers[rank]
-        return self.dead_after if p.answered else max(self.dead_after, self.startup_grace)
+        return self.dead_after if p.last_answer is not None else max(self.dead_after, self.startup_grace)
 
     def sweep(self) -> list[int]:
         """Declare watched peers silent for ``dead_after`` seconds dead; return the newly dead.

@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import threading
 import time
 
 import pytest
@@ -314,22 +313,9 @@ def cluster(tmp_path):
 
 def _stage_all(c, step: int, homes: dict[int, int], world: int = 4) -> None:
     """Each rank ``r`` commits ``step`` to the agent of node ``homes[r]``, all at once, as trainers would."""
-    from test_e2e_faults import _stage_raw
+    from test_e2e_faults import _stage_ranks
 
-    errors = []
-
-    def one(rank: int, node: int) -> None:
-        try:
-            _stage_raw(c.shm(node), "tree", step, 1 << 20, rank=rank, world=world)
-        except Exception as e:  # noqa: BLE001 - reported below
-            errors.append(e)
-
-    threads = [threading.Thread(target=one, args=(r, n)) for r, n in homes.items()]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert not errors, errors
+    _stage_ranks({r: c.shm(n) for r, n in homes.items()}, "tree", step, 1 << 20, world)
 
 
 @pytest.mark.e2e

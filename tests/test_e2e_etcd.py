@@ -14,7 +14,7 @@ import pytest
 from etcd_server import Etcd, etcd_missing
 from procs import AgentGroup, agent_call, closing_all, kill9, start_agent, write_secret
 from s3util import free_port
-from test_e2e_faults import _stage_raw
+from test_e2e_faults import _stage_ranks
 
 _WHY = etcd_missing()
 if _WHY is not None:
@@ -57,22 +57,8 @@ class EtcdCluster(AgentGroup):
         return os.path.exists(os.path.join(self.shm(i), job, f"step-{step}", "manifest.json"))
 
     def stage(self, job: str, step: int, nodes) -> None:
-        import threading
-
-        errs = []
-
-        def one(rank: int, node: int) -> None:
-            try:
-                _stage_raw(self.shm(node), job, step, 1 << 20, rank=rank, world=len(nodes))
-            except BaseException as e:  # noqa: BLE001 - reported below
-                errs.append(e)
-
-        ts = [threading.Thread(target=one, args=(r, n)) for r, n in enumerate(nodes)]
-        for t in ts:
-            t.start()
-        for t in ts:
-            t.join()
-        assert not errs, errs
+        """Rank ``r`` hands its shard of ``step`` to the agent of node ``nodes[r]``, all at once."""
+        _stage_ranks({r: self.shm(n) for r, n in enumerate(nodes)}, job, step, 1 << 20, len(nodes))
 
     def close(self) -> None:
         self.stop_agents()

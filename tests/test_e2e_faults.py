@@ -39,6 +39,27 @@ def _stage_raw(shm: str, job: str, step: int, nbytes: int, rank: int = 0, world:
     return data
 
 
+def _stage_ranks(homes: dict[int, str], job: str, step: int, nbytes: int, world: int) -> dict[int, bytes]:
+    """Every rank ``r`` hands its shard to the agent of memory folder ``homes[r]``, all at once, as trainers
+    would; the bytes each handed over."""
+    data: dict[int, bytes] = {}
+    errors: list[BaseException] = []
+
+    def one(rank: int, shm: str) -> None:
+        try:
+            data[rank] = _stage_raw(shm, job, step, nbytes, rank=rank, world=world)
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=one, args=item) for item in homes.items()]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    return data
+
+
 def _wait_for_temp_file(folder: str) -> None:
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:

@@ -18,7 +18,7 @@ import pytest
 
 from netns import Hosts, unavailable
 from procs import AgentGroup, agent_call, closing_all, ckpt_cmd, kill9, start_agent, write_secret
-from test_e2e_faults import _stage_raw
+from test_e2e_faults import _stage_ranks
 from test_e2e_multinode import reference  # noqa: F401 - the uninterrupted run's losses (a fixture)
 
 pytestmark = pytest.mark.e2e
@@ -96,23 +96,9 @@ class NetCluster(AgentGroup):
             return None
 
     def stage(self, job: str, step: int, nodes=None) -> None:
-        """Rank ``i`` of a world of ``n`` hands its shard of ``step`` to node ``i``'s agent, all at once."""
-        errors: list[BaseException] = []
-
+        """Rank ``i`` of the training nodes' world hands its shard of ``step`` to node ``i``'s agent, all at once."""
         world = self.n - self.memory
-
-        def one(i: int) -> None:
-            try:
-                _stage_raw(self.shm(i), job, step, 1 << 20, rank=i, world=world)
-            except BaseException as e:  # noqa: BLE001 - reported below
-                errors.append(e)
-
-        threads = [threading.Thread(target=one, args=(i,)) for i in (range(world) if nodes is None else nodes)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        assert not errors, errors
+        _stage_ranks({i: self.shm(i) for i in (range(world) if nodes is None else nodes)}, job, step, 1 << 20, world)
 
     def committed_everywhere(self, job: str, step: int) -> bool:
         return all(self.manifest(i, job, step) is not None for i in range(self.n))
@@ -290,8 +276,6 @@ def test_a_link_cut_in_the_middle_of_a_restore_falls_back_to_the_other_copy_and_
     """A restore of rank 3's shard reads node 3's copy first, slowly (through a pacing proxy, 8 MB/s), with node
     2's copy as the next source. Node 3's link goes down in the middle of the read: the restore finishes
     from node 2, and its bytes are the shard's, checksum-verified."""
-    import threading
-
     from recovery import fetch_shard, plan_restore, scan_tiers
     from s3util import FaultProxy
     from tiers.peer import PeerTier
@@ -299,16 +283,8 @@ def test_a_link_cut_in_the_middle_of_a_restore_falls_back_to_the_other_copy_and_
 
     c = net(4)
     c.hosts.gateway()
-    data = {}
-
-    def one(i: int) -> None:  # 32 MiB shards: at 8 MB/s a read from node 3 takes about 4 s
-        data[i] = _stage_raw(c.shm(i), "cut", 1, 32 << 20, rank=i, world=4)
-
-    ts = [threading.Thread(target=one, args=(i,)) for i in range(4)]
-    for t in ts:
-        t.start()
-    for t in ts:
-        t.join()
+    # 32 MiB shards: at 8 MB/s a read from node 3 takes about 4 s
+    data = _stage_ranks({i: c.shm(i) for i in range(4)}, "cut", 1, 32 << 20, world=4)
     c.wait_for(lambda: c.committed_everywhere("cut", 1), "step 1 on every node")
     c.wait_for(lambda: os.path.exists(os.path.join(c.shm(2), "cut", "step-1", "rank-3.shard")), "node 2's copy")
     secret = load_secret(c.secret)

@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import errno
 import hashlib
-import heapq
 import hmac
 import math
 import os
