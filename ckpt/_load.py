@@ -11,7 +11,9 @@ A load comes in two halves: :meth:`ShardLoader.prepare` (and ``prepare_resharded
 everything and returns a :class:`Prepared`; its ``finish`` writes the state (tensors, values, the
 containers' state dicts). A shard in a local file is hashed first and copied into the tensors only by
 ``finish``: nothing is written before every byte is verified, so nothing has to be copied to be put back.
-Only reads that land in CPU tensors as they are verified (a peer's ranged reads, DCP's resharding) write
+A peer's ranged reads land in the caller's staging buffer (``stage``: the next save's slot, its memory faulted
+in already), verified as they land, and are copied into the tensors by ``finish`` too. Only reads that land in
+CPU tensors as they are verified (a peer's ranged reads without a staging buffer, DCP's resharding) write
 during ``prepare``, after the caller's ``before_write`` hook (:meth:`Kept.take`). Under torch.distributed the
 Checkpointer finishes only once every rank has prepared the same step, so a step that fails on one rank
 leaves nothing but those CPU tensors (put back by :func:`kept`) changed on the others.
@@ -53,6 +55,11 @@ class StateMismatchError(KeyError):
     def __str__(self) -> str:
         return str(self.args[0]) if self.args else ""
 
+
+#: ``stage(nbytes)``: a writable buffer of exactly ``nbytes`` bytes whose memory is faulted in already (the
+#: next save's staging slot), for a shard read that would otherwise land in fresh memory or in the tensors
+#: before it is verified; None when there is none (the read then goes as it would without it)
+Stage = Callable[[int], "memoryview | None"]
 
 #: bytes one copier thread reads before the restore hashes them (large enough that per-batch overhead is
 #: small, small enough that hashing the last batch after the reads end is short)
@@ -186,10 +193,11 @@ def kept(state: dict, take: bool = True):
     entry, or with ``take=False`` when the block calls ``take()``); optimizers that had no state get their
     empty state back too.
 
-    A read from a peer (or through DCP's resharding) lands straight in CPU tensors and is verified as it
-    lands, so a damaged copy is found only once it has overwritten them: they are copied first (one copy of
-    them in host memory, for as long as the block runs). A local file is verified before it is copied in, and
-    every other write waits for verified bytes, so a restore from memory copies nothing to put back.
+    A read through DCP's resharding (or from a peer, when there is no staging buffer to read into) lands
+    straight in CPU tensors and is verified as it lands, so a damaged copy is found only once it has
+    overwritten them: they are copied first (one copy of them in host memory, for as long as the block runs).
+    A local file is verified before it is copied in, a peer's read staged, and every other write waits for
+    verified bytes, so those restores copy nothing to put back.
     """
     k = Kept(state)
     if take:
@@ -381,20 +389,24 @@ class ShardLoader:
         return prepared.reports[0]
 
     def prepare(self, plan: RestorePlan, state: dict, before_write: Callable[[], None] | None = None,
-                flat: Flat | None = None) -> Prepared:
+                flat: Flat | None = None, stage: Stage | None = None) -> Prepared:
         """Read and verify this rank's shard of ``plan`` (or rebuild it from its replicas), from the first of its
         places that holds it intact. A local file (memory, uncompressed disk) is verified first and copied into
-        the tensors by ``finish``; a peer's ranged reads land in CPU tensors now, verified as they land, after
-        ``before_write()`` (the caller keeping what the tensors held: :meth:`Kept.take`); everything else is
+        the tensors by ``finish``. A peer's ranged reads go to ``stage(size)``'s buffer when the caller gives
+        one (memory already faulted in: the next save's staging slot), verified as they land, and are copied
+        into the tensors by ``finish``; without one they land in CPU tensors now, after ``before_write()``
+        (the caller keeping what the tensors held: :meth:`Kept.take`), or straight away when ``before_write``
+        is None (nothing to keep). Everything else is read into ``stage``'s buffer (or a fresh one) and
         written by ``finish``. ``flat``: ``state`` flattened for restore already (``flatten_state(state,
         for_restore=True)``), used instead of flattening it again."""
         self._given = None if flat is None else (state, flat)
         try:
-            return self._prepare(plan, state, before_write)
+            return self._prepare(plan, state, before_write, stage)
         finally:
             self._given = None
 
-    def _prepare(self, plan: RestorePlan, state: dict, before_write: Callable[[], None] | None) -> Prepared:
+    def _prepare(self, plan: RestorePlan, state: dict, before_write: Callable[[], None] | None,
+                 stage: Stage | None = None) -> Prepared:
         if self.rank in plan.replicas:
             return self._load_replicas(plan, state)
         info = plan.manifest.shard(self.rank)
@@ -416,7 +428,11 @@ class ShardLoader:
             with _direct_reader(rest[0], key, info.size) as read_batch:
                 if read_batch is None:
                     break
-                report = self._load_direct(plan, state, info, rest[0], read_batch, before_write)
+                staged = stage(info.size) if stage is not None and before_write is not None else None
+                if staged is not None:
+                    report = self._load_staged(plan, state, info, rest[0], read_batch, staged)
+                else:
+                    report = self._load_direct(plan, state, info, rest[0], read_batch, before_write)
             if isinstance(report, Prepared):
                 report.reports[0].failures = failures + report.reports[0].failures
                 return report
@@ -424,8 +440,14 @@ class ShardLoader:
             rest = rest[1:]  # damaged or unreachable there: the next place, in order
         plan = dataclasses.replace(plan, sources={**plan.sources, self.rank: rest})
         keep: list[torch.Tensor] = []
+        fresh = buffer_allocator(keep)
+
+        def alloc(n: int) -> memoryview:
+            staged = stage(n) if stage is not None else None
+            return fresh(n) if staged is None else staged
+
         try:
-            shard = open_shard(plan, self.rank, buffer_allocator(keep), verify=self.verify)
+            shard = open_shard(plan, self.rank, alloc, verify=self.verify)
         except ShardUnavailableError as e:
             if not failures:
                 raise
@@ -515,6 +537,40 @@ class ShardLoader:
         report = ShardReport(self.rank, "replicas", info.size, time.perf_counter() - t0, failures,
                              " + ".join(dict.fromkeys(sources)))
 
+        return self._apply(plan, state, info, _Rebuilt(view, report))
+
+    def _load_staged(self, plan: RestorePlan, state: dict, info: Any, tier: Tier,
+                     read_batch: Callable[[list[tuple[int, memoryview]]], None], staged: memoryview
+                     ) -> Prepared | str:
+        """Read the shard from a peer into ``staged`` (exactly its size, memory already faulted in), hashing
+        each batch as it lands, and copy it into the tensors in ``finish``: nothing is written before every
+        byte is verified, so nothing has to be kept to be put back, and the copy runs between two warm
+        buffers. Returns why, with nothing written, when a read fails or the checksum does not match."""
+        t0 = time.perf_counter()
+        from tiers.checksum import Hasher
+
+        view = memoryview(staged).cast("B")
+        batches = [[(at, view[at:at + _READ_BATCH])] for at in range(0, info.size, _READ_BATCH)]
+        hasher = Hasher()
+        futs = _run_batches(self.copiers, read_batch, batches)
+        try:
+            for batch, f in zip(batches, futs):
+                f.result()
+                if self.verify:
+                    hasher.update(batch[0][1])
+        except OSError as e:
+            log.warning("restore of rank %d from %s failed, trying the next place: %s", self.rank,
+                        source_name(tier), e)
+            return f"read failed: {e}"
+        finally:
+            _settle(futs)
+        if self.verify:
+            got = hasher.hexdigest()
+            if got != info.checksum:
+                log.warning("rank %d shard in %s has checksum %s, manifest says %s: trying the next place",
+                            self.rank, source_name(tier), got, info.checksum)
+                return f"checksum {got}, the manifest says {info.checksum}"
+        report = ShardReport(self.rank, tier.name, info.size, time.perf_counter() - t0, source=source_name(tier))
         return self._apply(plan, state, info, _Rebuilt(view, report))
 
     def _load_direct(self, plan: RestorePlan, state: dict, info: Any, tier: Tier,

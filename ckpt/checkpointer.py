@@ -77,6 +77,7 @@ from ._flatten import StateError, flatten_state, forget_initialized
 from ._load import Prepared, ShardLoader, StateMismatchError, kept
 from ._replicas import described
 from ._shard_plan import ShardPlanner
+from ._tensors import buffer_view as _buffer_view
 
 __all__ = ["Checkpointer", "SaveFuture", "RestoreReport", "CheckpointError", "RestoreError", "StateMismatchError"]
 
@@ -189,9 +190,11 @@ class _StateLoader:
     before_write: Callable[[], None] | None
     #: ``state`` flattened for restore already (:attr:`Kept.flat`)
     flat: Any = None
+    #: warm buffers for reads that are verified before they are applied (:data:`ckpt._load.Stage`)
+    stage: Any = None
 
     def prepare(self, plan: RestorePlan) -> Prepared:
-        return self.loader.prepare(plan, self.state, self.before_write, self.flat)
+        return self.loader.prepare(plan, self.state, self.before_write, self.flat, self.stage)
 
     def prepare_resharded(self, plan: RestorePlan) -> Prepared:
         return self.loader.prepare_resharded(plan, self.state, self.world, self.before_write)
@@ -794,6 +797,9 @@ class Checkpointer:
     def _lease_ahead(self, nbytes: int) -> None:
         """Start leasing (and mapping) the slot of the next save of ``nbytes`` bytes in the background (the
         first save after a restore or a fresh start: the ring's other slots wait for its own lease)."""
+        with self._lock:
+            if self._next_slot is not None:
+                return  # leased already (a restore staged a peer's read through it)
         if self._prelease_fut is None and not self._closed:
             self._prelease_fut = self._leaser.submit(self._prelease, nbytes, False)
 
@@ -1067,9 +1073,9 @@ class Checkpointer:
         back to every other tier before an older step is tried (said in
         ``last_restore.passed_over``). None only when no tier holds a committed
         step of the job. A failed restore leaves ``state`` as it was: bytes are
-        verified before they are written, and a read that cannot be (a peer's
-        ranged reads, a resharded step) first copies the CPU tensors, unless
-        ``keep_state=False``. Raises StepNotFoundError, RestoreError (a committed
+        verified before they are written (a peer's are staged in the next save's
+        slot), and a read that cannot be (a resharded step) first copies the
+        CPU tensors, unless ``keep_state=False``. Raises StepNotFoundError, RestoreError (a committed
         step not restorable intact, or a tier that may hold one unreachable),
         StateMismatchError. The README's "Using it in a training loop" has the
         whole contract.
@@ -1080,7 +1086,8 @@ class Checkpointer:
         # restored in the end (every other write waits for Prepared.finish, which only a step prepared on every
         # rank gets)
         with kept(state, take=False) as before:
-            loader = _StateLoader(self._loader, state, self.world, before.take if keep_state else None, before.flat)
+            loader = _StateLoader(self._loader, state, self.world, before.take if keep_state else None, before.flat,
+                                  self._restore_slot)
             done = self._restorer().restore(loader, step)
             if done is None:
                 self._lease_for(state)  # a fresh start: the first save's slot is faulted in meanwhile
@@ -1096,6 +1103,33 @@ class Checkpointer:
             log.info("rank %d restored %s step %d from %s in %.3f s", self.rank, self.job, done.step,
                      ", ".join(sorted({r.tier for r in done.shards})) or "nowhere", self.last_restore.seconds)
             return done.step
+
+    def _restore_slot(self, nbytes: int) -> memoryview | None:
+        """A staging slot of ``nbytes`` bytes, leased and mapped with its memory faulted in, for a shard read
+        that is verified before it is applied (a peer's, or into a buffer): the bytes then land in warm memory,
+        not in the tensors before they are verified (which would mean copying the tensors first, into fresh
+        memory: slower than the read itself) nor in a fresh buffer. The slot stays leased as the next save's,
+        which needs one of the same size; None when the agent has no slot free now (the read then goes as
+        it would without one)."""
+        if not nbytes:
+            return None
+        try:
+            slot = self._take_prelease(nbytes)
+            if slot is None:
+                r = self._client.call("begin", job=self.job, rank=self.rank, world=self.world, nbytes=nbytes,
+                                      fault=False, wait=False)
+                self._collect(r)
+                slot = r.get("slot")
+                if not slot:
+                    return None
+            # not populated here: the reads fault the pages in as they land, on the copier threads
+            buf = self._map(slot, nbytes, populate=False)
+        except (AgentError, AgentUnreachableError, OSError, ValueError) as e:
+            log.debug("no staging slot to restore through: %s", e)
+            return None
+        with self._lock:
+            self._next_slot = (slot, nbytes)
+        return _buffer_view(buf.data_ptr(), nbytes)
 
     def _restorer(self) -> Restorer:
         """The restore engine for this rank: the tiers it lists, the agreement between ranks, the learned

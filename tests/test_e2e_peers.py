@@ -307,6 +307,59 @@ def test_a_corrupt_peer_copy_read_straight_into_the_tensors_falls_back_to_disk(c
     assert torch.equal(fresh.weight, model.weight) and torch.equal(fresh.bias, model.bias)
 
 
+def test_a_restore_from_a_peer_stages_through_the_next_saves_slot_and_keeps_no_copy(cluster, monkeypatch):
+    """A rank whose node lost its memory reads its shard from the peer into a staging slot leased from its
+    agent (memory already there), verified as it lands, and copies it into the tensors only then: no copy of
+    the state is taken to put back (Kept.take never runs). A damaged peer copy, the only one, fails the
+    restore with the state as it was; once it is intact again the restore is bit-exact, and the next save
+    stages into the slot the restore leased instead of asking the agent for another."""
+    from ckpt import _load
+
+    taken = []
+    monkeypatch.setattr(_load.Kept, "take", lambda self: taken.append(1))
+    c = cluster(2)
+    c.kill(0)
+    c.args += ["--no-prefetch"]
+    c.start(0)
+    torch.manual_seed(5)
+    model = torch.nn.Linear(256, 256)
+    with ckpt.Checkpointer("stage", shm=c.shm(0), spawn=False) as ck:
+        ck.save(1, {"model": model}).wait()
+    c.wait_for(lambda: c.holds(1, "stage", 1), "the replica on node 1")
+    c.kill(0)
+    c.start(0)
+    replica = os.path.join(c.shm(1), "stage", "step-1", "rank-0.shard")
+    size = os.path.getsize(replica)
+    with open(replica, "r+b") as f:
+        f.seek(size - 1)  # the last byte: every tensor before it has been read when the checksum fails
+        last = f.read(1)
+        f.seek(size - 1)
+        f.write(bytes([last[0] ^ 0x40]))
+    fresh = torch.nn.Linear(256, 256)
+    before = [t.clone() for t in fresh.state_dict().values()]
+    with ckpt.Checkpointer("stage", shm=c.shm(0), spawn=False) as ck:
+        with pytest.raises(ckpt.RestoreError, match="step 1"):
+            ck.restore({"model": fresh})
+        assert all(torch.equal(a, b) for a, b in zip(before, fresh.state_dict().values()))
+        with open(replica, "r+b") as f:
+            f.seek(size - 1)
+            f.write(last)
+        assert ck.restore({"model": fresh}) == 1
+        assert ck.last_restore.tiers == ["peer"]
+        assert torch.equal(fresh.weight, model.weight) and torch.equal(fresh.bias, model.bias)
+        begins = []
+        call = ck._client.call
+        monkeypatch.setattr(ck._client, "call", lambda op, **kw: (begins.append(op) if op == "begin" else None,
+                                                                  call(op, **kw))[1])
+        ck.save(2, {"model": fresh}).wait()
+        assert begins == []  # the save took the slot the restore staged through
+    third = torch.nn.Linear(256, 256)
+    with ckpt.Checkpointer("stage", shm=c.shm(0), spawn=False) as ck:
+        assert ck.restore({"model": third}) == 2  # what the save staged over the restore's bytes
+    assert torch.equal(third.weight, model.weight) and torch.equal(third.bias, model.bias)
+    assert taken == []
+
+
 def test_a_node_with_another_peers_file_is_named_in_status_and_the_log(tmp_path):
     """Node 1's peers file labels the nodes with domains that node 0's does not: placement would differ
     between them, so node 0 says so, naming node 1, in `ckpt status` and its log."""

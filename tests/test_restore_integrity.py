@@ -488,6 +488,65 @@ def test_a_restore_from_local_files_never_copies_the_state_to_put_it_back(tmp_pa
     assert taken == []
 
 
+class _Ranged:
+    """A place that reads byte ranges into the caller's buffers and has no local file (a peer's shape), over a
+    memory tier's bytes; ``damage`` flips a byte of what it sends."""
+
+    name = "peer"
+
+    def __init__(self, tier, damage: int | None = None) -> None:
+        self.tier, self.damage, self.reads = tier, damage, 0
+
+    def describe(self) -> str:
+        return "ranged test place"
+
+    def read_ranges(self, key: str, pieces) -> int:
+        self.reads += 1
+        at = pieces[0][0]
+        n = sum(len(v) for _, v in pieces)
+        data = bytearray(self.tier.get(key, at, n))
+        if self.damage is not None and at <= self.damage < at + n:
+            data[self.damage - at] ^= 0x40
+        for off, v in pieces:
+            v[:] = data[off - at: off - at + len(v)]
+        return n
+
+
+@pytest.mark.parametrize("damaged", [False, True])
+def test_a_ranged_read_through_a_staging_buffer_writes_nothing_before_it_is_verified(tmp_path, damaged):
+    """A peer's ranged reads go to the staging buffer the caller gives (the next save's slot), hashed as
+    they land, and reach the tensors only at finish: the tensors are untouched after prepare, a damaged copy
+    is refused with nothing written, and no copy of the state is asked for (``before_write`` never runs)."""
+    from recovery import plan_restore, scan_tiers
+
+    with _saved(tmp_path, steps=(1,), disk=False) as (ck, saved):
+        mem = _tiers(ck)["memory"]
+        size = len(mem.get(keys.shard_key(JOB, 1, 0)))
+        plan = plan_restore(scan_tiers([mem], JOB), JOB)
+        place = _Ranged(mem, damage=size - 1 if damaged else None)
+        plan.sources[0] = [place]
+        state = _state(7)
+        before = _snapshot(state)
+        kept, staged = [], []
+
+        def stage(n: int) -> memoryview:
+            staged.append(bytearray(n))
+            return memoryview(staged[-1])
+
+        if damaged:
+            with pytest.raises(ShardUnavailableError, match="checksum"):
+                ck._loader.prepare(plan, state, lambda: kept.append(1), stage=stage)
+        else:
+            prepared = ck._loader.prepare(plan, state, lambda: kept.append(1), stage=stage)
+            assert _same(_snapshot(state), before)  # read and verified, nothing applied yet
+            assert bytes(staged[0]) == mem.get(keys.shard_key(JOB, 1, 0))
+            prepared.finish()
+            assert _same(_snapshot(state), saved[1])
+        assert place.reads >= 1 and len(staged) == 1 and kept == []
+        if damaged:
+            assert _same(_snapshot(state), before)
+
+
 def test_a_shard_rewritten_between_its_check_and_its_copy_fails_the_restore(tmp_path):
     """A local shard is verified, then copied into the tensors at finish. A shard whose file is written in
     between (no agent does so to a committed step) must not be loaded as if verified: finish raises."""
