@@ -14,6 +14,8 @@ agent as soon as its new agent registers, with no file to edit anywhere.
 * A rank not registered yet is listed at an address nothing answers (``unregistered-R.invalid``): its
   peers see it as not started, under the start-up grace, and take its address in when it registers.
   No agent waits at start for the others.
+* A rank past ``--nodes`` that registers (a node added to a running cluster, started with its own rank)
+  grows the file, and every agent takes it in as a new node.
 * **etcd down.** The agent keeps serving, committing and restoring with the last membership it saw; no
   node is declared dead because etcd is unreachable (the heartbeats still judge liveness). Registration
   and the watch are retried, and the reason is logged once per outage. A node that joins meanwhile waits.
@@ -36,6 +38,9 @@ from collections.abc import AsyncIterator, Callable
 __all__ = ["EtcdClient", "EtcdDirectory", "EtcdError", "UNREGISTERED"]
 
 log = logging.getLogger("tierckpt.agent")
+
+#: node ranks a cluster may use (a rank past ``--nodes`` joins the cluster; one past this is a mistake)
+MAX_NODES = 1 << 16
 
 #: the address a rank that never registered is listed at (nothing answers there), ``{rank}`` filled in
 UNREGISTERED = "unregistered-{rank}.invalid:1"
@@ -180,7 +185,8 @@ class EtcdDirectory:
 
     def _write(self) -> None:
         lines = []
-        for r in range(self.settings.nodes):
+        # --nodes is the cluster's size at start; a node registered past it (one added later) grows the file
+        for r in range(max(self.settings.nodes, max(self.nodes, default=-1) + 1)):
             lines.append(_node_line(self.nodes[r]) if r in self.nodes else UNREGISTERED.format(rank=r))
         tmp = f"{self.path}.tmp"
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
@@ -194,10 +200,12 @@ class EtcdDirectory:
             rank = int(key[len(self.prefix):])
         except ValueError:
             return None
-        if not 0 <= rank < self.settings.nodes:
-            log.warning("etcd lists node %s, outside the %d nodes of cluster %s: ignored", key, self.settings.nodes,
-                        self.settings.cluster)
+        if not 0 <= rank < MAX_NODES:
+            log.warning("etcd lists node %s, outside the ranks 0-%d a cluster may use: ignored", key, MAX_NODES - 1)
             return None
+        if rank >= self.settings.nodes and rank not in self.nodes:
+            log.info("node %d registered in etcd past the %d nodes cluster %s started with: it joins", rank,
+                     self.settings.nodes, self.settings.cluster)
         if value is None:  # its lease ran out: it keeps its last address (it may register again)
             self.registered.discard(rank)
             return rank

@@ -95,6 +95,7 @@ class Election:
                  state_file: str | None = None, retry_after: float = 1.0) -> None:
         self.me = me
         self.nodes = nodes
+        self._fixed_quorum = quorum
         self.quorum = quorum if quorum else majority(nodes)
         if not 1 <= self.quorum <= max(1, nodes):
             raise ValueError(f"quorum {self.quorum} must be between 1 and the {nodes} nodes")
@@ -140,6 +141,15 @@ class Election:
     # -- who is root -----------------------------------------------------------------------------
     def live(self) -> set[int]:
         return self._live() | {self.me}
+
+    def grow(self, nodes: int) -> None:
+        """The cluster has ``nodes`` nodes now (nodes were added): the quorum is a majority of them, unless it
+        was given. A sitting root that no longer sees a quorum steps down at its next check, as after a loss."""
+        if nodes <= self.nodes:
+            return
+        self.nodes = nodes
+        if not self._fixed_quorum:
+            self.quorum = majority(nodes)
 
     def has_quorum(self) -> bool:
         return len(self.live()) >= self.quorum

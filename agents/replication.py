@@ -186,6 +186,17 @@ class Membership:
             self._order = placement_order(self.nodes)
             self._base.clear()
 
+    def add(self, node: Node) -> None:
+        """Node ``node.rank`` (the next rank) joins: a peer that has not answered yet, with the start-up grace;
+        placement is computed again over the larger cluster."""
+        if node.rank != len(self.nodes):
+            raise ValueError(f"node {node.rank} cannot join a cluster of {len(self.nodes)} nodes: ranks are added "
+                             "in order")
+        self.nodes.append(node)
+        self.peers[node.rank] = PeerState(node, last_seen=time.monotonic(), alive=True)
+        self._order = placement_order(self.nodes)
+        self._base.clear()
+
     def dead(self) -> set[int]:
         return {r for r, p in self.peers.items() if not p.alive}
 
@@ -356,8 +367,14 @@ class LinkPool:
                 self._cond.notify()
 
     def readdress(self, r: int, addr: str) -> None:
-        """Node ``r`` is at ``addr`` from now on: its idle links close, links in use close when returned."""
+        """Node ``r`` is at ``addr`` from now on (a node that joined: its first address): its idle links
+        close, links in use close when returned."""
         with self._cond:
+            if r not in self._addrs:
+                self._addrs[r] = addr
+                self._idle[r] = []
+                self._open[r] = 0
+                return
             self._addrs[r] = addr
             for link in self._idle[r]:
                 link.close()

@@ -735,8 +735,10 @@ class Replicator:
 
     def reload_peers(self) -> list[int]:
         """Read the peers file again and take in the nodes whose address or domain changed (a node replaced
-        by a machine at a new address): links, clients and placement follow, and the new machine gets a
-        start-up grace. Adding or removing nodes needs every agent restarted. Returns the nodes taken in."""
+        by a machine at a new address) and the nodes added at its end (the cluster grew): links, clients,
+        placement and the election's quorum follow, and each new machine gets a start-up grace. Removing a
+        line needs every agent restarted (a node that left is dead to the others until then). Returns the
+        nodes taken in."""
         from tiers.peer import PeerTier
 
         from .placement import PeerListError
@@ -748,17 +750,35 @@ class Replicator:
                       self.settings.peers, e, len(self.members.nodes))
             return []
         old = self.members.nodes
-        if len(new) != len(old):
-            log.error("the peers file now lists %d nodes, this agent runs with %d: only a node's address or domain "
-                      "can change while the agents run; adding or removing a node needs every agent restarted",
-                      len(new), len(old))
+        if len(new) < len(old):
+            log.error("the peers file now lists %d nodes, this agent runs with %d: nodes can be added at the end "
+                      "or given a new address while the agents run; removing a line needs every agent restarted "
+                      "(a node that left is dead to the others meanwhile)", len(new), len(old))
             return []
         if new[self.me].addr != old[self.me].addr:
             log.error("the peers file now gives this node (%d) the address %s, it serves %s: restart this agent "
                       "to move it", self.me, new[self.me].addr, old[self.me].addr)
             return []
-        moved = [n for n in new if n.rank != self.me and (n.addr, n.domain) != (old[n.rank].addr, old[n.rank].domain)]
+        added = new[len(old):]
+        moved = [n for n in new[:len(old)]
+                 if n.rank != self.me and (n.addr, n.domain) != (old[n.rank].addr, old[n.rank].domain)]
         s = self.settings
+        for n in added:
+            log.warning("node %d (%s%s) joined: the cluster has %d nodes now", n.rank, n.addr,
+                        ", memory-only" if n.role == "memory" else "", n.rank + 1)
+            self.members.add(n)
+            self._links[n.rank] = PeerLink(n.addr, secret=self._secret, node=self.me, timeout=s.peer_timeout,
+                                           ssl_context=self._client_ssl)
+            self._fetch_links.readdress(n.rank, n.addr)
+            self.peer_tiers[n.rank] = peer_tier_map(s, timeout=s.peer_timeout, secret=self._secret,
+                                                    ssl_context=self._client_ssl, bucket=self._bucket,
+                                                    only={n.rank})[n.rank]
+            self._beat_tiers[n.rank] = PeerTier(n.addr, secret=self._secret, node=self.me,
+                                                timeout=self._beat_deadline, ssl_context=self._client_ssl, retries=0)
+        if added:
+            self.dis.election.grow(len(self.members.nodes))
+            self._near_all = None
+            self._sources_cache = None
         for n in moved:
             log.log(logging.INFO if ".invalid:" in old[n.rank].addr else logging.WARNING,
                     "node %d is %s now (was %s): taking in the new machine", n.rank, n.addr, old[n.rank].addr)
@@ -778,9 +798,9 @@ class Replicator:
             self.peers_differ.discard(n.rank)
         self.peers_digest = _digest(self.members.nodes)
         self.peer_server.health_extra["peers"] = self.peers_digest
-        if moved:
+        if moved or added:
             self._membership_changed()
-        return [n.rank for n in moved]
+        return [n.rank for n in moved + added]
 
     async def _health(self, r: int, pool) -> dict:
         return await asyncio.get_running_loop().run_in_executor(pool, self._beat_tiers[r].health)

@@ -39,9 +39,12 @@ class EtcdCluster(AgentGroup):
         return str(self.root / f"node{i}-{self.gen[i]}" / "shm")
 
     def start(self, i: int) -> None:
+        if i not in self.gen:  # a node added to the running cluster
+            self.gen[i] = 0
+            self.ports.append(free_port())
         os.makedirs(os.path.dirname(self.shm(i)), exist_ok=True)
         self.procs[i] = start_agent(self.shm(i), "--etcd", self.etcd.endpoints, "--cluster", "c1", "--nodes",
-                                    str(self.n), "--node-rank", str(i), "--advertise", f"127.0.0.1:{self.ports[i]}",
+                                    str(max(self.n, i + 1)), "--node-rank", str(i), "--advertise", f"127.0.0.1:{self.ports[i]}",
                                     "--secret-file", self.secret, "--heartbeat", "0.2", "--dead-after", "3",
                                     "--startup-grace", "20", *self.extra)
 
@@ -88,6 +91,22 @@ def test_a_node_replaced_at_a_new_address_is_taken_in_through_etcd_and_restores_
                            if p["node"] == 3), "nodes 0 to 2 at node 3's new address")
     c.stage("e", 2, [0, 1, 2, 3])
     c.wait_for(lambda: all(c.manifest(i, "e", 2) for i in range(4)), "step 2 on every node, the new one included")
+
+
+def test_a_node_registered_past_the_clusters_size_joins_it(etcd_cluster):
+    """Three agents started with --nodes 3; a fourth registers as node 3 (--nodes 4). Every agent takes it in
+    without a restart (its peers file grows to 4 lines, the quorum becomes 3 of 4), and a step saved by ranks
+    on all four nodes commits everywhere."""
+    c = etcd_cluster(3)
+    c.start(3)
+    c.wait_for(lambda: all(c.status(i)["tree"]["nodes"] == 4 for i in range(4)), "every agent counting 4 nodes")
+    assert all(c.status(i)["tree"]["quorum"] == 3 for i in range(4))
+    for i in range(3):
+        lines = open(os.path.join(c.shm(i), ".peers.txt")).read().splitlines()
+        assert len(lines) == 4 and lines[3].startswith(f"127.0.0.1:{c.ports[3]}"), lines
+    c.wait_for(lambda: c.status(0)["etcd"]["registered"] == [0, 1, 2, 3], "node 3 registered")
+    c.stage("g", 1, [0, 1, 2, 3])
+    c.wait_for(lambda: all(c.manifest(i, "g", 1) for i in range(4)), "step 1 on every node, the new one included")
 
 
 def test_an_expired_lease_is_a_death_and_an_etcd_outage_is_not(etcd_cluster):

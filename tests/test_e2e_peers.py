@@ -14,7 +14,7 @@ import ckpt
 from procs import agent_call, ckpt_cmd, kill9, start_agent, write_secret
 from recovery import fetch_shard, plan_restore, scan_tiers
 from s3util import free_port
-from test_e2e_faults import _stage_raw
+from test_e2e_faults import _stage_ranks, _stage_raw
 from tiers import keys
 from tiers.peer import PeerTier
 from tiers.wire import load_secret
@@ -358,6 +358,42 @@ def test_a_restore_from_a_peer_stages_through_the_next_saves_slot_and_keeps_no_c
         assert ck.restore({"model": third}) == 2  # what the save staged over the restore's bytes
     assert torch.equal(third.weight, model.weight) and torch.equal(third.bias, model.bias)
     assert taken == []
+
+
+def test_a_node_added_to_the_peers_file_joins_the_running_cluster(cluster):
+    """Two agents run; a third line is appended to the peers file and a third agent started with it. Without a
+    restart, nodes 0 and 1 take node 2 in (links, placement, a quorum of 2 of 3), a step saved by ranks on
+    all three nodes commits everywhere, and node 2's shard gets its replica on another node; then node 2 is
+    lost and its rank restores from that replica."""
+    c = cluster(2, placement="ring")
+    port = free_port()
+    c.ports.append(port)
+    with open(c.peers, "a") as f:
+        f.write(f"127.0.0.1:{port}\n")
+    c.n = 3
+    c.start(2)
+    c.wait_for(lambda: all(agent_call(c.shm(i), "status")["tree"]["nodes"] == 3 for i in range(3)),
+               "every agent counting 3 nodes")
+    for i in range(3):
+        tree = agent_call(c.shm(i), "status")["tree"]
+        assert tree["quorum"] == 2, tree
+    c.wait_for(lambda: all(p["last_seen_s"] is not None and p["alive"] for i in range(3)
+                           for p in agent_call(c.shm(i), "status")["peers"]), "every node answering every other")
+    data = _stage_ranks({r: c.shm(r) for r in range(3)}, "grow", 1, 1 << 20, world=3)
+    for r in range(3):
+        assert agent_call(c.shm(r), "wait", job="grow", step=1, timeout=60)["done"]
+    assert all(c.holds(i, "grow", 1, rank=i) for i in range(3))
+    # ring placement over 3 nodes: node 2's copy goes to node 0
+    c.wait_for(lambda: os.path.exists(os.path.join(c.shm(0), "grow", "step-1", "rank-2.shard")),
+               "node 2's replica on node 0")
+    c.kill(2)
+    plan = plan_restore(scan_tiers([c.peer(0), c.peer(1)], "grow"), "grow")
+    assert plan.step == 1
+    buf = bytearray(1 << 20)
+    report = fetch_shard(plan, 2, memoryview(buf))
+    assert report.tier == "peer" and bytes(buf) == data[2]
+    log = open(c.procs[0].log_path).read()
+    assert "node 2 (127.0.0.1:" in log and "joined" in log, log[-2000:]
 
 
 def test_a_node_with_another_peers_file_is_named_in_status_and_the_log(tmp_path):
