@@ -539,6 +539,35 @@ class ShardLoader:
 
         return self._apply(plan, state, info, _Rebuilt(view, report))
 
+    def _read_verified(self, info: Any, tier: Tier, read_batch: Callable[[list[tuple[int, memoryview]]], None],
+                       batches: list[list[tuple[int, memoryview]]]) -> str | None:
+        """Read ``batches`` (every byte of the shard, in order) on the copier threads and hash each batch on
+        this thread as soon as it is in, so the checksum pass overlaps the reads. Returns why when a read
+        fails or the checksum is not the manifest's, else None."""
+        from tiers.checksum import Hasher
+
+        hasher = Hasher()
+        futs = _run_batches(self.copiers, read_batch, batches)
+        try:
+            for batch, f in zip(batches, futs):
+                f.result()
+                if self.verify:
+                    for _, mv in batch:
+                        hasher.update(mv)
+        except OSError as e:
+            log.warning("restore of rank %d from %s failed, trying the next place: %s", self.rank,
+                        source_name(tier), e)
+            return f"read failed: {e}"
+        finally:
+            _settle(futs)  # a read still running writes into its buffer: let it end first
+        if self.verify:
+            got = hasher.hexdigest()
+            if got != info.checksum:
+                log.warning("rank %d shard in %s has checksum %s, manifest says %s: trying the next place",
+                            self.rank, source_name(tier), got, info.checksum)
+                return f"checksum {got}, the manifest says {info.checksum}"
+        return None
+
     def _load_staged(self, plan: RestorePlan, state: dict, info: Any, tier: Tier,
                      read_batch: Callable[[list[tuple[int, memoryview]]], None], staged: memoryview
                      ) -> Prepared | str:
@@ -547,29 +576,11 @@ class ShardLoader:
         byte is verified, so nothing has to be kept to be put back, and the copy runs between two warm
         buffers. Returns why, with nothing written, when a read fails or the checksum does not match."""
         t0 = time.perf_counter()
-        from tiers.checksum import Hasher
-
         view = memoryview(staged).cast("B")
         batches = [[(at, view[at:at + _READ_BATCH])] for at in range(0, info.size, _READ_BATCH)]
-        hasher = Hasher()
-        futs = _run_batches(self.copiers, read_batch, batches)
-        try:
-            for batch, f in zip(batches, futs):
-                f.result()
-                if self.verify:
-                    hasher.update(batch[0][1])
-        except OSError as e:
-            log.warning("restore of rank %d from %s failed, trying the next place: %s", self.rank,
-                        source_name(tier), e)
-            return f"read failed: {e}"
-        finally:
-            _settle(futs)
-        if self.verify:
-            got = hasher.hexdigest()
-            if got != info.checksum:
-                log.warning("rank %d shard in %s has checksum %s, manifest says %s: trying the next place",
-                            self.rank, source_name(tier), got, info.checksum)
-                return f"checksum {got}, the manifest says {info.checksum}"
+        failed = self._read_verified(info, tier, read_batch, batches)
+        if failed is not None:
+            return failed
         report = ShardReport(self.rank, tier.name, info.size, time.perf_counter() - t0, source=source_name(tier))
         return self._apply(plan, state, info, _Rebuilt(view, report))
 
@@ -587,9 +598,6 @@ class ShardLoader:
         t0 = time.perf_counter()
         by_name, flat, targets = self._targets(plan, state, info)
         raw: list[tuple[Leaf | None, bytearray]] = []  # bytes values (and spilled JSON), read on their own
-        from tiers.checksum import Hasher
-
-        hasher = Hasher()
         pos = 0
         # every byte range of the shard, in order: (offset, destination view, tensor to copy to or None)
         pieces: list[tuple[int, memoryview, Any]] = []
@@ -615,25 +623,9 @@ class ShardLoader:
         batches = _batches(pieces)
         if before_write is not None:
             before_write()  # the tensors are written before their bytes are verified: keep what they held
-        futs = _run_batches(self.copiers, read_batch, batches)
-        try:
-            for batch, f in zip(batches, futs):
-                f.result()
-                if self.verify:
-                    for _, mv in batch:
-                        hasher.update(mv)
-        except OSError as e:
-            log.warning("restore of rank %d from %s failed, trying the next place: %s", self.rank,
-                        source_name(tier), e)
-            return f"read failed: {e}"
-        finally:
-            _settle(futs)  # a read still running writes into the tensors: let it end first
-        if self.verify:
-            got = hasher.hexdigest()
-            if got != info.checksum:
-                log.warning("rank %d shard in %s has checksum %s, manifest says %s: trying the next place",
-                            self.rank, source_name(tier), got, info.checksum)
-                return f"checksum {got}, the manifest says {info.checksum}"
+        failed = self._read_verified(info, tier, read_batch, batches)
+        if failed is not None:
+            return failed
         got_raw = {id(leaf): bytes(b) for leaf, b in raw if leaf is not None}
         self._spilled(plan, by_name, flat, next((b for leaf, b in raw if leaf is None), None))
 
