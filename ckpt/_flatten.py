@@ -168,6 +168,32 @@ def _json_only(v: Any) -> bool:
     return all(isinstance(x, JSON_SCALARS) or isinstance(x, (list, tuple)) and _json_only(x) for x in v)
 
 
+def _loads_in_place(module: nn.Module, sd: dict) -> bool:
+    """True when loading ``sd`` back into ``module`` would change nothing once ``sd``'s tensors are filled:
+    every value is a CPU or CUDA tensor that is one of the module's own parameters or buffers (same memory,
+    shape, strides and dtype), and no submodule changes what a load does (load hooks, as FSDP's, or an
+    overridden load). Then a restore, which writes those tensors in place, need not load the state dict
+    (DCP's ``set_model_state_dict`` costs about 14 ms over 200 parameters, to copy each onto itself)."""
+    base_load, base_from = nn.Module.load_state_dict, nn.Module._load_from_state_dict
+    for m in module.modules():
+        if (m._load_state_dict_pre_hooks or m._load_state_dict_post_hooks
+                or type(m).load_state_dict is not base_load or type(m)._load_from_state_dict is not base_from):
+            return False
+    own = set()
+    for t in (*module.parameters(), *module.buffers()):
+        t = local_tensor(t)
+        if t.device.type not in ("cpu", "cuda"):
+            return False
+        own.add((t.data_ptr(), t.dtype, tuple(t.shape), t.stride()))
+    for v in sd.values():
+        if not isinstance(v, torch.Tensor):
+            return False
+        v = local_tensor(v)
+        if v.device.type not in ("cpu", "cuda") or (v.data_ptr(), v.dtype, tuple(v.shape), v.stride()) not in own:
+            return False
+    return True
+
+
 def flatten_state(state: dict, *, for_restore: bool = False) -> Flat:
     """Flatten ``state`` (see module docstring). Raises StateError for unsupported values.
 
@@ -196,7 +222,8 @@ def flatten_state(state: dict, *, for_restore: bool = False) -> Flat:
         if isinstance(v, nn.Module):
             try:
                 sd = dsd.get_model_state_dict(v, options=opts)
-                flat.appliers.append(lambda v=v, sd=sd: dsd.set_model_state_dict(v, sd, options=opts))
+                if not (for_restore and _loads_in_place(v, sd)):
+                    flat.appliers.append(lambda v=v, sd=sd: dsd.set_model_state_dict(v, sd, options=opts))
             except (AttributeError, KeyError):
                 # state-dict hooks that rename parameters (a fused QKV projection saved as wq/wk/wv, as
                 # torchtitan's models do) defeat DCP's helper, which looks each key up as a parameter: the

@@ -342,3 +342,34 @@ def test_many_values_go_into_the_shard_not_the_manifest_and_come_back_from_every
         assert ck.last_restore.tiers == [path]
     assert target["hp"] == groups and target["step"] == 7 and torch.equal(target["w"], saved["w"])
     assert isinstance(target["hp"]["p3"]["betas"], tuple)
+
+
+def test_a_model_written_in_place_is_not_loaded_again_unless_a_load_would_change_something(tmp_path):
+    """A plain module's state dict is its own tensors: the restore writes them in place and skips the
+    load (its cost is all overhead). A module whose load does more (a load hook here, as FSDP registers)
+    or a state dict that is not the module's own memory still goes through the load."""
+    from ckpt._flatten import _loads_in_place, flatten_state
+    from torch.distributed.checkpoint import state_dict as dsd
+
+    plain = _model(0)
+    assert _loads_in_place(plain, dsd.get_model_state_dict(plain))
+    copied = {k: v.clone() for k, v in plain.state_dict().items()}
+    assert not _loads_in_place(plain, copied)
+    assert not _loads_in_place(plain, {**plain.state_dict(), "_extra_state": 3})
+    assert len(flatten_state({"model": plain}, for_restore=True).appliers) == 0
+    assert len(flatten_state({"model": plain}).appliers) == 1  # a save does not restore, so it keeps it
+
+    loads: list[int] = []
+    hooked = _model(1)
+    hooked.head.register_load_state_dict_post_hook(lambda module, keys: loads.append(1))
+    assert not _loads_in_place(hooked, dsd.get_model_state_dict(hooked))
+
+    with ckpt.Checkpointer("inplace", shm=str(tmp_path / "shm")) as ck:
+        ck.save(0, {"model": plain}).wait()
+        target = _model(5)
+        assert ck.restore({"model": target}) == 0
+        assert ck.restore({"model": hooked}) == 0
+    assert loads == [1]  # the hook ran: the hooked model was loaded
+    for m in (target, hooked):
+        for (n, a), (k, b) in zip(plain.state_dict().items(), m.state_dict().items()):
+            assert n == k and torch.equal(a, b), n
