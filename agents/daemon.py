@@ -138,6 +138,8 @@ class Agent:
         self.warm: WarmRestore | None = None
         #: membership from etcd (agents/directory.py), when the settings name it; set by run_agent
         self.directory = None
+        #: why this agent stopped being its node (another took the rank over in etcd), or ""
+        self.replaced = ""
         self._directory_task: asyncio.Task | None = None
         if settings.peers:
             self.replicator = Replicator(settings, self.memory, self.book, self.layouts, self._budget, self.stats,
@@ -175,6 +177,7 @@ class Agent:
             self.warm.start()
         if self.directory is not None:
             self.directory.on_gone = self.replicator.member_gone if self.replicator else None
+            self.directory.on_replaced = self._replaced
             self._directory_task = asyncio.create_task(self.directory.run(), name="etcd")
         path = self.settings.socket_path
         private_socket_folder(path)
@@ -187,6 +190,10 @@ class Agent:
             "agent %d ready on %s (memory %s, disk %s, s3 %s)",
             os.getpid(), path.replace("\0", "@"), self.memory.root, self.settings.disk, self.settings.s3,
         )
+
+    def _replaced(self, why: str) -> None:
+        self.replaced = why
+        self._stop.set()
 
     async def serve(self) -> None:
         """Run until shutdown is asked for or a signal arrives, then stop gracefully."""
@@ -895,8 +902,10 @@ class Agent:
                         n += st.st_blocks * 512
         return n
 
-def run_agent(settings: Settings, *, embedded: bool = False, idle_exit: float | None = None) -> int:
-    """Run an agent in this process until it is stopped; return the exit status.
+def run_agent(settings: Settings, *, embedded: bool = False, idle_exit: float | None = None,
+              auto_rank: bool = False) -> int:
+    """Run an agent in this process until it is stopped; return the exit status (4: its node rank was taken
+    over in etcd by a replacement, so it stopped). ``auto_rank``: with etcd, claim a node rank there.
 
     The process's umask becomes 077: every file the agent writes (shards, manifests, indexes, logs, locks) is
     readable by its user alone, and every folder it creates is 0700.
@@ -904,12 +913,15 @@ def run_agent(settings: Settings, *, embedded: bool = False, idle_exit: float | 
     os.umask(0o077)
     directory = None
     if settings.etcd:
-        from .directory import EtcdDirectory, EtcdError
+        from .directory import EtcdDirectory, EtcdError, RankTakenError
 
         os.makedirs(settings.shm, mode=0o700, exist_ok=True)
-        directory = EtcdDirectory(settings)
+        directory = EtcdDirectory(settings, auto_rank=auto_rank)
         try:
             settings.peers = directory.bootstrap()
+        except RankTakenError as e:
+            log.error("%s", e)
+            return 2
         except EtcdError as e:
             log.error("cannot register in etcd within %.0f s (%s): check --etcd and that etcd runs",
                       settings.startup_grace, e)
@@ -918,6 +930,8 @@ def run_agent(settings: Settings, *, embedded: bool = False, idle_exit: float | 
         agent = Agent(settings, embedded=embedded, idle_exit=idle_exit)
         agent.directory = directory
         asyncio.run(agent.serve())
+        if agent.replaced:
+            return 4
     except AgentAlreadyRunningError as e:
         log.error("%s", e)
         return 3

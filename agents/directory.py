@@ -29,13 +29,14 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import json
 import logging
 import os
 import time
 from collections.abc import AsyncIterator, Callable
 
-__all__ = ["EtcdClient", "EtcdDirectory", "EtcdError", "UNREGISTERED"]
+__all__ = ["EtcdClient", "EtcdDirectory", "EtcdError", "RankTakenError", "UNREGISTERED"]
 
 log = logging.getLogger("tierckpt.agent")
 
@@ -117,6 +118,22 @@ class EtcdClient:
             body["lease"] = str(lease)
         await self.call("kv/put", body)
 
+    async def get(self, key: str) -> tuple[bytes, int] | None:
+        """``key``'s value and the revision of its last change, or None when it does not exist."""
+        kvs = (await self.call("kv/range", {"key": _b64(key)})).get("kvs", [])
+        return (_unb64(kvs[0].get("value", "")), int(kvs[0]["mod_revision"])) if kvs else None
+
+    async def put_if(self, key: str, value: bytes, lease: int, mod_revision: int) -> bool:
+        """Put ``key`` under ``lease`` only if its last change is still ``mod_revision`` (0: only if it does not
+        exist), in one transaction; whether it was put."""
+        cmp = ({"key": _b64(key), "target": "CREATE", "create_revision": "0", "result": "EQUAL"} if not mod_revision
+               else {"key": _b64(key), "target": "MOD", "mod_revision": str(mod_revision), "result": "EQUAL"})
+        put = {"request_put": {"key": _b64(key), "value": _b64(value), "lease": str(lease)}}
+        return bool((await self.call("kv/txn", {"compare": [cmp], "success": [put]})).get("succeeded"))
+
+    async def revoke(self, lease: int) -> None:
+        await self.call("lease/revoke", {"ID": str(lease)})
+
     async def range(self, prefix: str) -> tuple[dict[str, bytes], int]:
         """Every key under ``prefix`` and its value, and the store's revision."""
         got = await self.call("kv/range", {"key": _b64(prefix), "range_end": _b64(_prefix_end(prefix))})
@@ -145,6 +162,31 @@ class EtcdClient:
         raise EtcdError(f"etcd watch failed ({'; '.join(errors)})")
 
 
+class RankTakenError(EtcdError):
+    """The node rank asked for is held in etcd by another live agent."""
+
+
+def _entry(value: bytes) -> dict | None:
+    try:
+        obj = json.loads(value)
+    except ValueError:
+        return None
+    return obj if isinstance(obj, dict) else None
+
+
+async def _answers(addr: str, timeout: float) -> bool:
+    """Whether something accepts a TCP connection at ``host:port`` within ``timeout`` s."""
+    host, _, port = addr.rpartition(":")
+    try:
+        _, w = await asyncio.wait_for(asyncio.open_connection(host.strip("[]"), int(port)), timeout)
+    except (OSError, ValueError, asyncio.TimeoutError):
+        return False
+    w.close()
+    with contextlib.suppress(Exception):
+        await w.wait_closed()
+    return True
+
+
 def _node_line(obj: dict) -> str:
     line = obj["addr"]
     if obj.get("domain"):
@@ -161,8 +203,13 @@ class EtcdDirectory:
     keeps the lease, watches the prefix and rewrites the file; ``on_gone(rank)`` is called when a rank's
     key disappears (lease expired)."""
 
-    def __init__(self, settings, *, on_gone: Callable[[int], None] | None = None) -> None:
+    def __init__(self, settings, *, on_gone: Callable[[int], None] | None = None, auto_rank: bool = False) -> None:
         self.settings = settings
+        #: ``--node-rank auto``: the rank is claimed in etcd at start (see :meth:`_claim_any`)
+        self.auto_rank = auto_rank
+        self.rank_file = os.path.join(settings.shm, ".node-rank")
+        #: called with the reason when another agent took this node's rank over (this one then stops)
+        self.on_replaced: Callable[[str], None] | None = None
         self.client = EtcdClient([e.strip() for e in settings.etcd.split(",") if e.strip()],
                                  timeout=max(1.0, settings.peer_timeout / 2))
         self.prefix = f"/tierckpt/{settings.cluster}/nodes/"
@@ -233,9 +280,15 @@ class EtcdDirectory:
                 try:
                     # a lease long enough for the agent to start: the first thing run() does is register again
                     # under a lease of the usual length, so start-up time never passes for a death
-                    await self._register(self.ttl + int(self.settings.startup_grace))
+                    ttl = self.ttl + int(self.settings.startup_grace)
+                    if self.auto_rank:
+                        await self._claim_any(ttl)
+                    else:
+                        await self._claim(self.settings.node_rank, ttl)
                     kvs, self.revision = await self.client.range(self.prefix)
                     break
+                except RankTakenError:
+                    raise
                 except EtcdError as e:
                     if time.monotonic() > deadline:
                         raise
@@ -254,8 +307,87 @@ class EtcdDirectory:
             await self.client.close()
 
     async def _register(self, ttl: int | None = None) -> None:
-        self.lease = await self.client.grant(ttl or self.ttl)
-        await self.client.put(f"{self.prefix}{self.settings.node_rank}", json.dumps(self._me()).encode(), self.lease)
+        """This node's key again, under a new lease (the agent's first registration was :meth:`_claim`'s)."""
+        await self._claim(self.settings.node_rank, ttl or self.ttl)
+
+    async def _claim(self, rank: int, ttl: int) -> None:
+        """Register as node ``rank`` under a new lease of ``ttl`` s, in one transaction against what the key held
+        when looked at. The key may be free, or this node's own (its address: an earlier agent on this
+        machine), or another address's that does not answer (a machine replaced: the new one takes its rank
+        over). Held by another address that answers, it is not taken: RankTakenError."""
+        key = f"{self.prefix}{rank}"
+        for _ in range(8):
+            held = await self.client.get(key)
+            rev = 0
+            if held is not None:
+                value, rev = held
+                other = _entry(value)
+                addr = other.get("addr") if other else None
+                if addr and (addr, other.get("pid")) != (self.settings.advertise, os.getpid()):
+                    # not this agent's own key: someone answering there (another agent, at this address too)
+                    # holds the rank; nobody answering means that agent is gone
+                    if await _answers(addr, max(1.0, self.settings.peer_timeout / 2)):
+                        raise RankTakenError(
+                            f"node rank {rank} of cluster {self.settings.cluster!r} is registered in etcd by a live "
+                            f"agent at {addr} (pid {other.get('pid')}): give this node another --node-rank (or "
+                            "--node-rank auto), or stop that agent first")
+                if addr and addr != self.settings.advertise:
+                    log.warning("node rank %d was registered by %s, which does not answer: this node (%s) takes it "
+                                "over", rank, addr, self.settings.advertise)
+            lease = await self.client.grant(ttl)
+            self.settings.node_rank = rank
+            if await self.client.put_if(key, json.dumps(self._me()).encode(), lease, rev):
+                old, self.lease = self.lease, lease
+                if old:
+                    with contextlib.suppress(EtcdError):
+                        await self.client.revoke(old)
+                self._remember(rank)
+                return
+            with contextlib.suppress(EtcdError):
+                await self.client.revoke(lease)  # changed since it was looked at: look again
+        raise EtcdError(f"node rank {rank}: its key in etcd kept changing while this agent registered")
+
+    async def _claim_any(self, ttl: int) -> None:
+        """``--node-rank auto``: the rank this machine had before (kept in ``<shm>/.node-rank``) if it can
+        have it back, else the lowest rank nobody holds, claimed in a transaction (agents starting together
+        each get their own)."""
+        try:
+            with open(self.rank_file) as f:
+                before = int(f.read().strip())
+        except (OSError, ValueError):
+            before = None
+        if before is not None and 0 <= before < MAX_NODES:
+            try:
+                await self._claim(before, ttl)
+                log.info("node rank %d claimed in etcd again (this machine's before)", before)
+                return
+            except RankTakenError as e:
+                log.warning("%s; this node takes a free rank instead", e)
+        for _ in range(64):
+            kvs, _ = await self.client.range(self.prefix)
+            held = set()
+            for k in kvs:
+                with contextlib.suppress(ValueError):
+                    held.add(int(k[len(self.prefix):]))
+            rank = next(r for r in range(MAX_NODES + 1) if r not in held)
+            if rank >= MAX_NODES:
+                raise RankTakenError(f"cluster {self.settings.cluster!r} has every one of its {MAX_NODES} ranks taken")
+            lease = await self.client.grant(ttl)
+            self.settings.node_rank = rank
+            if await self.client.put_if(f"{self.prefix}{rank}", json.dumps(self._me()).encode(), lease, 0):
+                self.lease = lease
+                self._remember(rank)
+                log.info("node rank %d claimed in etcd (the lowest free one)", rank)
+                return
+            with contextlib.suppress(EtcdError):
+                await self.client.revoke(lease)  # another node claimed it first: the next free one
+        raise EtcdError("no free node rank could be claimed in etcd: the cluster's ranks kept changing")
+
+    def _remember(self, rank: int) -> None:
+        tmp = f"{self.rank_file}.tmp"
+        with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
+            f.write(f"{rank}\n")
+        os.replace(tmp, self.rank_file)
 
     # -- running ----------------------------------------------------------------------------
     async def run(self) -> None:
@@ -281,6 +413,9 @@ class EtcdDirectory:
     async def _keep(self) -> None:
         try:
             await self._register()
+        except RankTakenError as e:
+            self._replaced(str(e))
+            return
         except EtcdError as e:
             self._outage(e)
         while True:
@@ -289,6 +424,9 @@ class EtcdDirectory:
                 if not self.lease or await self.client.keepalive(self.lease) == 0:
                     await self._register()  # the lease ran out (etcd was away longer than it): register again
                 self._back()
+            except RankTakenError as e:
+                self._replaced(str(e))
+                return
             except EtcdError as e:
                 self._outage(e)
 
@@ -300,6 +438,13 @@ class EtcdDirectory:
                 self.revision = rev
                 self._back()
                 async for kind, key, value in self.client.watch(self.prefix, rev + 1):
+                    if kind != "DELETE" and key == f"{self.prefix}{self.settings.node_rank}":
+                        other = _entry(value)
+                        if other is not None and (other.get("addr"), other.get("pid")) != (self.settings.advertise,
+                                                                                        os.getpid()):
+                            self._replaced(f"node rank {self.settings.node_rank} was taken over in etcd by the agent at "
+                                           f"{other.get('addr')} (pid {other.get('pid')})")
+                            return
                     before = dict(self.nodes)
                     rank = self._take(key, None if kind == "DELETE" else value)
                     if rank is None:
@@ -315,6 +460,14 @@ class EtcdDirectory:
             except Exception as e:  # noqa: BLE001 - a broken stream: list again and watch again
                 self._outage(e)
             await asyncio.sleep(1.0)
+
+    def _replaced(self, why: str) -> None:
+        """Another agent holds this node's rank now (this machine was cut off long enough to be replaced):
+        this agent must not act as that node any more."""
+        log.error("%s: this agent stops (its node was replaced); start it again with --node-rank auto, or another "
+                  "rank, to join as a new node", why)
+        if self.on_replaced is not None:
+            self.on_replaced(why)
 
     def _apply_all(self, kvs: dict[str, bytes]) -> None:
         before, was = dict(self.nodes), set(self.registered)

@@ -186,18 +186,20 @@ def cmd_agent(a: argparse.Namespace) -> int:
              "etcd_lease": a.etcd_lease, "memory_only": True if a.memory_only else None,
              "memory_limit": a.memory_limit}
     s = _settings(a, extra)
-    if a.node_rank == "auto":
+    auto_rank = a.node_rank == "auto" and bool(s.etcd)  # claimed in etcd once it is reached (run_agent)
+    if a.node_rank == "auto" and not s.etcd:
         from agents.replication import find_own_rank, load_peer_list
 
         if not s.peers:
-            raise SettingsError("--node-rank auto finds this machine's line in the peers file: give --peers")
+            raise SettingsError("--node-rank auto finds this machine's line in the peers file (give --peers), or "
+                                "claims a free rank in etcd (give --etcd)")
         s.node_rank = find_own_rank(load_peer_list(s.peers))
         s.validate()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     from agents.peer_server import PeerServerError
 
     try:
-        return run_agent(s)
+        return run_agent(s, auto_rank=auto_rank)
     except PeerServerError as e:  # the settings ask for a peer server that may not run (no secret off loopback)
         raise SettingsError(str(e)) from e
 
@@ -900,7 +902,8 @@ def build_parser() -> argparse.ArgumentParser:
     _tier_flags(ag)
     ag.add_argument("--node-rank", type=_node_rank,
                     help="this node's line in the peers file, from 0; 'auto': the line whose address is this "
-                         "machine's (a DaemonSet or an sbatch script starts the same command on every node)")
+                         "machine's, or with --etcd the rank this machine had before, else the lowest free one "
+                         "(a DaemonSet or an sbatch script starts the same command on every node)")
     ag.add_argument("--disk-every", type=int, help="write every Nth save to disk")
     ag.add_argument("--s3-every", type=int, help="write every Nth save to S3")
     ag.add_argument("--keep-memory", type=int)

@@ -7,7 +7,10 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import subprocess
+import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -23,8 +26,9 @@ pytestmark = [pytest.mark.e2e, pytest.mark.skipif(_WHY is not None, reason=_WHY 
 
 
 class EtcdCluster(AgentGroup):
-    def __init__(self, root, n: int, members: int = 1, extra: tuple = ()) -> None:
+    def __init__(self, root, n: int, members: int = 1, extra: tuple = (), auto: bool = False) -> None:
         self.extra = list(extra)
+        self.auto = auto  # --node-rank auto: machine i claims a rank in etcd (not necessarily i)
         self.root = root
         self.n = n
         self.etcd = Etcd(str(root), members)
@@ -32,8 +36,18 @@ class EtcdCluster(AgentGroup):
         self.ports = [free_port() for _ in range(n)]
         self.gen = {i: 0 for i in range(n)}
         self.procs: dict[int, object] = {}
-        for i in range(n):
-            self.start(i)
+        if auto:  # every machine at once: the ranks they claim are raced for
+            with ThreadPoolExecutor(n) as pool:
+                list(pool.map(self.start, range(n)))
+        else:
+            for i in range(n):
+                self.start(i)
+
+    def args(self, i: int) -> list[str]:
+        return ["--etcd", self.etcd.endpoints, "--cluster", "c1", "--nodes", str(max(self.n, i + 1)),
+                "--node-rank", "auto" if self.auto else str(i), "--advertise", f"127.0.0.1:{self.ports[i]}",
+                "--secret-file", self.secret, "--heartbeat", "0.2", "--dead-after", "3", "--startup-grace", "20",
+                *self.extra]
 
     def shm(self, i: int) -> str:
         return str(self.root / f"node{i}-{self.gen[i]}" / "shm")
@@ -43,10 +57,7 @@ class EtcdCluster(AgentGroup):
             self.gen[i] = 0
             self.ports.append(free_port())
         os.makedirs(os.path.dirname(self.shm(i)), exist_ok=True)
-        self.procs[i] = start_agent(self.shm(i), "--etcd", self.etcd.endpoints, "--cluster", "c1", "--nodes",
-                                    str(max(self.n, i + 1)), "--node-rank", str(i), "--advertise", f"127.0.0.1:{self.ports[i]}",
-                                    "--secret-file", self.secret, "--heartbeat", "0.2", "--dead-after", "3",
-                                    "--startup-grace", "20", *self.extra)
+        self.procs[i] = start_agent(self.shm(i), *self.args(i))
 
     def replace(self, i: int) -> None:
         """Node ``i``'s machine is lost; a new one, at a new address, starts its agent with the same rank."""
@@ -148,3 +159,84 @@ def test_an_expired_lease_is_a_death_and_an_etcd_outage_is_not(etcd_cluster):
     assert time.monotonic() - killed < 10  # before any heartbeat could have said so
     c.wait_for(lambda: all(not p["alive"] for i in (0, 2) for p in c.status(i)["peers"] if p["node"] == 1),
                "node 1 dead in every view")
+
+
+def _etcd_get(c: EtcdCluster, key: str) -> dict | None:
+    import base64
+    import json
+    import urllib.request
+
+    req = urllib.request.Request(c.etcd.endpoints.split(",")[0] + "/v3/kv/range", method="POST",
+                                 data=json.dumps({"key": base64.b64encode(key.encode()).decode()}).encode())
+    with urllib.request.urlopen(req, timeout=10) as r:
+        kvs = json.loads(r.read()).get("kvs", [])
+    return json.loads(base64.b64decode(kvs[0]["value"])) if kvs else None
+
+
+def _etcd_put(c: EtcdCluster, key: str, value: dict) -> None:
+    import base64
+    import json
+    import urllib.request
+
+    body = {"key": base64.b64encode(key.encode()).decode(), "value": base64.b64encode(json.dumps(value).encode()).decode()}
+    req = urllib.request.Request(c.etcd.endpoints.split(",")[0] + "/v3/kv/put", method="POST",
+                                 data=json.dumps(body).encode())
+    urllib.request.urlopen(req, timeout=10).read()
+
+
+def test_machines_started_together_with_node_rank_auto_claim_distinct_ranks_and_a_restart_gets_its_own_back(
+        etcd_cluster):
+    """Three agents started at the same moment with --node-rank auto (as a DaemonSet starts them) each
+    claim a different rank in one etcd transaction; a step on all three commits. Machine 1's agent is
+    killed and started again at once, while its old lease still lives: it takes its own rank back (kept in
+    its memory folder), not a new one, and the cluster commits again with the same three ranks."""
+    c = etcd_cluster(3, auto=True)
+    ranks = {i: c.status(i)["node"] for i in range(3)}
+    assert sorted(ranks.values()) == [0, 1, 2], ranks
+    for i, r in ranks.items():
+        assert _etcd_get(c, f"/tierckpt/c1/nodes/{r}")["addr"] == f"127.0.0.1:{c.ports[i]}"
+        assert open(os.path.join(c.shm(i), ".node-rank")).read().strip() == str(r)
+    by_rank = {r: i for i, r in ranks.items()}
+    c.stage("a", 1, [by_rank[0], by_rank[1], by_rank[2]])
+    c.wait_for(lambda: all(c.manifest(i, "a", 1) for i in range(3)), "step 1 on every node")
+    kill9(c.procs.pop(1))
+    c.start(1)  # the same machine: same memory folder, same address
+    assert c.status(1)["node"] == ranks[1]
+    assert "claimed in etcd again (this machine's before)" in c.log(1)
+    c.wait_for(lambda: c.status(by_rank[0])["etcd"]["registered"] == [0, 1, 2], "the restarted node registered")
+    c.stage("a", 2, [by_rank[0], by_rank[1], by_rank[2]])
+    c.wait_for(lambda: all(c.manifest(i, "a", 2) for i in range(3)), "step 2 on every node")
+
+
+def test_a_second_agent_asking_for_a_live_nodes_rank_is_refused_and_takes_nothing(etcd_cluster, tmp_path):
+    """An agent started with --node-rank 1 while node 1's agent is alive elsewhere exits with a message
+    naming the live agent and what to do; node 1's registration is untouched and the cluster still
+    commits. (Before, its registration silently overwrote node 1's.)"""
+    c = etcd_cluster(2)
+    before = _etcd_get(c, "/tierckpt/c1/nodes/1")
+    port = free_port()
+    shm = str(tmp_path / "intruder" / "shm")
+    os.makedirs(os.path.dirname(shm))
+    args = c.args(1)
+    args[args.index("--advertise") + 1] = f"127.0.0.1:{port}"
+    p = subprocess.run([sys.executable, "-m", "ckpt.cli", "agent", "--shm", shm, *args], capture_output=True,
+                       text=True, timeout=120, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    out = p.stdout + p.stderr
+    assert p.returncode == 2, out
+    assert f"node rank 1 of cluster 'c1' is registered in etcd by a live agent at 127.0.0.1:{c.ports[1]}" in out
+    assert "give this node another --node-rank" in out
+    assert _etcd_get(c, "/tierckpt/c1/nodes/1") == before
+    c.stage("i", 1, [0, 1])
+    c.wait_for(lambda: all(c.manifest(i, "i", 1) for i in range(2)), "step 1 on both nodes")
+
+
+def test_an_agent_whose_rank_is_taken_over_in_etcd_stops_acting_as_that_node(etcd_cluster):
+    """Node 1's key is rewritten with another address (what a replacement does once node 1 stopped
+    answering, e.g. while it was cut off): node 1's agent sees it on its watch, says so, and exits with
+    status 4 instead of acting as a second node 1."""
+    c = etcd_cluster(2)
+    _etcd_put(c, "/tierckpt/c1/nodes/1", {"rank": 1, "addr": "127.0.0.1:1", "domain": None, "role": "train",
+                                          "pid": 1})
+    assert c.procs[1].wait(timeout=60) == 4
+    assert "was taken over in etcd by the agent at 127.0.0.1:1" in c.log(1)
+    assert "this agent stops (its node was replaced)" in c.log(1)
