@@ -618,18 +618,19 @@ class Agent:
             while True:
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    return {"done": False, "errors": self.book.take_errors(job)}
+                    return {"done": False, "errors": self.book.take_errors(job), "notices": self.book.take_notices(job)}
                 done, _ = await asyncio.wait({waiting}, timeout=min(left, 1.0))
                 if done:
                     waiting.result()
-                    return {"done": True, "errors": self.book.take_errors(job)}
+                    return {"done": True, "errors": self.book.take_errors(job), "notices": self.book.take_notices(job)}
                 why = self._commit_blocked(job, step)
                 if why is None:
                     blocked_since = None
                     continue
                 blocked_since = blocked_since or time.monotonic()
                 if time.monotonic() - blocked_since >= self.settings.dead_after:
-                    return {"done": False, "errors": self.book.take_errors(job) + [why]}
+                    return {"done": False, "errors": self.book.take_errors(job) + [why],
+                            "notices": self.book.take_notices(job)}
         finally:
             waiting.cancel()
 

@@ -300,9 +300,14 @@ class Replicator:
                 key, size, checksum = keys.head_key(job, step, rank), head[0], head[2]
             else:
                 key, size, checksum = shard, nbytes, pend.checksums[rank]
-            if not await self._push_layout(r, job, digest):
-                return False
-            return await self._push(r, key, path, size, checksum)
+            if await self._push_layout(r, job, digest) and await self._push(r, key, path, size, checksum):
+                return True
+            if os.path.exists(path):  # not trimmed meanwhile: the step has one copy fewer than asked for now
+                st = self.members.peers[r]
+                self.book.notice(job, f"step {step}: rank {rank}'s shard has no copy on node {r} ({st.node.addr}) "
+                                      f"yet: {st.last_error or 'the copy failed'}; it stays on node {self.me}, and "
+                                      "the heal copies it again (ckpt status shows the peers)")
+            return False
 
         copies = [asyncio.ensure_future(copy(r)) for r in self.members.targets(self.me)]
         under_way = self._copies.setdefault((job, step), set())

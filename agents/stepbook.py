@@ -42,6 +42,9 @@ __all__ = ["Pending", "Row", "StepBook"]
 
 log = logging.getLogger("tierckpt.agent")
 
+#: notices a job's trainers have not taken yet, kept per job at most
+MAX_NOTICES = 100
+
 
 @dataclass
 class Pending:
@@ -205,6 +208,7 @@ class StepBook:
         #: per step, the lower tiers it is being written to
         self.draining: dict[tuple[str, int], set[str]] = {}
         self._errors: dict[str, list[str]] = {}
+        self._notices: dict[str, list[str]] = {}
         #: per job, the newest step this agent has any sign of: objects in any tier at start-up, a shard
         #: committed here, a peer's commit record. A step reaches disk or S3 only after it was committed in
         #: some node's memory, and every live node is sent every commit record, so no tier can hold a newer
@@ -243,6 +247,17 @@ class StepBook:
         """Store a background failure for the job's trainers (and log it)."""
         log.error("%s: %s", job, msg)
         self._errors.setdefault(job, []).append(msg)
+
+    def notice(self, job: str, msg: str) -> None:
+        """Store something the job's trainers should hear about that lost nothing (a copy a peer refused),
+        once per message and at most :data:`MAX_NOTICES` per job until a trainer takes them."""
+        got = self._notices.setdefault(job, [])
+        if msg not in got and len(got) < MAX_NOTICES:
+            got.append(msg)
+
+    def take_notices(self, job: str | None) -> list[str]:
+        """The job's stored notices, each handed out once."""
+        return self._notices.pop(job, []) if job is not None else []
 
     def take_errors(self, job: str | None) -> list[str]:
         """The job's stored failures, each handed out once."""

@@ -335,6 +335,10 @@ class Checkpointer:
         #: the digest of the last layout the agent accepted
         self._layout_sent: str | None = None
         self._errors: list[str] = []
+        #: what the node's agent said about this job's saves that lost nothing but is worth knowing (a copy a
+        #: peer refused or failed: the step has fewer copies in memory than asked for until the heal makes it
+        #: up); logged as warnings when a wait hears of them, the newest 100 kept here
+        self.notices: list[str] = []
         self._hook: Any = None
         self._lock = threading.Lock()
         self._closed = False
@@ -447,6 +451,12 @@ class Checkpointer:
         if errs:
             with self._lock:
                 self._errors.extend(errs)
+        for msg in resp.get("notices") or ():
+            # nothing lost (a peer refused a copy, which stays with its primary): said, never raised
+            log.warning("%s: %s", self.job, msg)
+            with self._lock:
+                self.notices.append(msg)
+                del self.notices[:-100]
 
     def _raise_pending(self) -> None:
         with self._lock:

@@ -445,12 +445,15 @@ def test_a_memory_only_node_takes_replicas_up_to_its_limit_and_serves_restores(t
                                     *FAST, *extra)
         path = lambda i, s, r: os.path.join(shm[i], "pool", f"step-{s}", f"rank-{r}.shard")  # noqa: E731
 
+        waits: dict[int, dict] = {}
+
         def save(step: int) -> dict[int, bytes]:
             out = {}
             for r in (0, 1):
                 out[r] = _stage_raw(shm[r], "pool", step, 1 << 20, rank=r, world=2)
             for r in (0, 1):
-                assert agent_call(shm[r], "wait", job="pool", step=step, timeout=60)["done"]
+                waits[r] = agent_call(shm[r], "wait", job="pool", step=step, timeout=60)
+                assert waits[r]["done"] and not waits[r]["errors"], waits[r]
             return out
 
         first = save(1)
@@ -474,6 +477,9 @@ def test_a_memory_only_node_takes_replicas_up_to_its_limit_and_serves_restores(t
             time.sleep(0.1)
         for r in (0, 1):
             assert os.path.exists(path(r, 2, r))  # a refused copy stays with its primary: nothing lost
+            # and the trainer waiting for the step hears of it, as a notice, not an error
+            notes = [n for n in waits[r]["notices"] if n.startswith(f"step 2: rank {r}'s shard has no copy on node 2")]
+            assert len(notes) == 1 and "--memory-limit" in notes[0] and f"stays on node {r}" in notes[0], waits[r]
         with pytest.raises(Exception, match="memory-only"):
             _stage_raw(shm[2], "pool", 3, 1 << 20)
         kill9(agents.pop(0))
@@ -487,4 +493,42 @@ def test_a_memory_only_node_takes_replicas_up_to_its_limit_and_serves_restores(t
         assert report.tier == "peer" and bytes(buf) == first[0]
     finally:
         for a in agents.values():
+            kill9(a)
+
+
+def test_a_trainer_hears_of_a_copy_its_peer_refused_as_a_warning_and_loses_nothing(tmp_path, caplog):
+    """Node 1 is a memory-only node with room for less than one shard. A Checkpointer on node 0 saves: the
+    step commits, wait() raises nothing, and the trainer logs (and keeps in ``notices``) that the step has
+    no copy on node 1 and why; the shard is on node 0, and restores from it bit-exact."""
+    import logging
+
+    import torch
+
+    secret = write_secret(str(tmp_path / "secret"))
+    ports = [free_port() for _ in range(2)]
+    peers = str(tmp_path / "peers.txt")
+    with open(peers, "w") as f:
+        f.write(f"127.0.0.1:{ports[0]}\n127.0.0.1:{ports[1]} role=memory\n")
+    shm = [str(tmp_path / f"node{i}" / "shm") for i in range(2)]
+    agents = []
+    try:
+        for i in range(2):
+            os.makedirs(os.path.dirname(shm[i]))
+            extra = ["--memory-only", "--memory-limit", str(1 << 19)] if i == 1 else []
+            agents.append(start_agent(shm[i], "--node-rank", str(i), "--peers", peers, "--secret-file", secret,
+                                      *FAST, *extra))
+        state = {"w": torch.arange(1 << 18, dtype=torch.float32)}  # 1 MiB: past node 1's 0.5 MiB
+        with caplog.at_level(logging.WARNING, logger="tierckpt"):
+            with ckpt.Checkpointer("told", shm=shm[0], spawn=False) as ck:
+                ck.save(0, state).wait()
+                notices = list(ck.notices)
+                target = {"w": torch.zeros(1 << 18)}
+                assert ck.restore(target) == 0
+        assert len(notices) == 1, notices
+        assert notices[0].startswith("step 0: rank 0's shard has no copy on node 1") and "--memory-limit" in notices[0]
+        assert any(notices[0] in r.getMessage() and r.levelno == logging.WARNING for r in caplog.records)
+        assert torch.equal(target["w"], state["w"])
+        assert not os.path.exists(os.path.join(shm[1], "told", "step-0", "rank-0.shard"))
+    finally:
+        for a in agents:
             kill9(a)
