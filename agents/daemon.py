@@ -178,6 +178,10 @@ class Agent:
         if self.directory is not None:
             self.directory.on_gone = self.replicator.member_gone if self.replicator else None
             self.directory.on_replaced = self._replaced
+            if self.replicator is not None:  # won epochs are recorded in etcd, and a higher one there is followed
+                election = self.replicator.dis.election
+                election.record = self.directory.record_root
+                self.directory.on_root_epoch = election.note_epoch
             self._directory_task = asyncio.create_task(self.directory.run(), name="etcd")
         path = self.settings.socket_path
         private_socket_folder(path)

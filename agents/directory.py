@@ -123,12 +123,12 @@ class EtcdClient:
         kvs = (await self.call("kv/range", {"key": _b64(key)})).get("kvs", [])
         return (_unb64(kvs[0].get("value", "")), int(kvs[0]["mod_revision"])) if kvs else None
 
-    async def put_if(self, key: str, value: bytes, lease: int, mod_revision: int) -> bool:
+    async def put_if(self, key: str, value: bytes, lease: int | None, mod_revision: int) -> bool:
         """Put ``key`` under ``lease`` only if its last change is still ``mod_revision`` (0: only if it does not
         exist), in one transaction; whether it was put."""
         cmp = ({"key": _b64(key), "target": "CREATE", "create_revision": "0", "result": "EQUAL"} if not mod_revision
                else {"key": _b64(key), "target": "MOD", "mod_revision": str(mod_revision), "result": "EQUAL"})
-        put = {"request_put": {"key": _b64(key), "value": _b64(value), "lease": str(lease)}}
+        put = {"request_put": {"key": _b64(key), "value": _b64(value), **({"lease": str(lease)} if lease else {})}}
         return bool((await self.call("kv/txn", {"compare": [cmp], "success": [put]})).get("succeeded"))
 
     async def revoke(self, lease: int) -> None:
@@ -140,11 +140,13 @@ class EtcdClient:
         kvs = {_unb64(kv["key"]).decode(): _unb64(kv.get("value", "")) for kv in got.get("kvs", [])}
         return kvs, int(got["header"]["revision"])
 
-    async def watch(self, prefix: str, start_revision: int) -> AsyncIterator[tuple[str, str, bytes]]:
-        """``(PUT|DELETE, key, value)`` for every change under ``prefix`` from ``start_revision`` on."""
+    async def watch(self, prefix: str, start_revision: int, *,
+                    one_key: bool = False) -> AsyncIterator[tuple[str, str, bytes]]:
+        """``(PUT|DELETE, key, value)`` for every change under ``prefix`` (or to that key alone, ``one_key``)
+        from ``start_revision`` on."""
         session = await self._http()
-        body = {"create_request": {"key": _b64(prefix), "range_end": _b64(_prefix_end(prefix)),
-                                   "start_revision": str(start_revision)}}
+        body = {"create_request": {"key": _b64(prefix), "start_revision": str(start_revision),
+                                   **({} if one_key else {"range_end": _b64(_prefix_end(prefix))})}}
         errors = []
         for ep in self.endpoints:
             try:
@@ -213,6 +215,11 @@ class EtcdDirectory:
         self.client = EtcdClient([e.strip() for e in settings.etcd.split(",") if e.strip()],
                                  timeout=max(1.0, settings.peer_timeout / 2))
         self.prefix = f"/tierckpt/{settings.cluster}/nodes/"
+        #: the newest commit-root epoch won: ``{"epoch", "node", "addr"}`` (agents/election.py)
+        self.root_key = f"/tierckpt/{settings.cluster}/root"
+        self.root: dict | None = None
+        #: called with each higher root epoch seen in etcd (the election promises it)
+        self.on_root_epoch: Callable[[int], None] | None = None
         self.path = os.path.join(settings.shm, ".peers.txt")
         self.ttl = max(2, int(round(settings.etcd_lease or settings.dead_after)))
         self.lease = 0
@@ -393,7 +400,7 @@ class EtcdDirectory:
     async def run(self) -> None:
         """Keep this node's lease and watch the cluster until cancelled."""
         try:
-            await asyncio.gather(self._keep(), self._watch())
+            await asyncio.gather(self._keep(), self._watch(), self._watch_root())
         finally:
             await self.client.close()
 
@@ -469,6 +476,51 @@ class EtcdDirectory:
         if self.on_replaced is not None:
             self.on_replaced(why)
 
+    # -- the commit root's epoch --------------------------------------------------------------
+    async def record_root(self, epoch: int, node: int) -> int | None:
+        """Write that ``node`` won ``epoch``, unless etcd holds a higher epoch (returned then). None once written,
+        or when etcd cannot be reached (the votes decide alone; see agents/election.py)."""
+        value = json.dumps({"epoch": epoch, "node": node, "addr": self.settings.advertise}).encode()
+        try:
+            for _ in range(8):
+                held = await self.client.get(self.root_key)
+                rev = 0
+                if held is not None:
+                    obj, rev = _entry(held[0]) or {}, held[1]
+                    known = obj.get("epoch")
+                    if isinstance(known, int) and (known > epoch or known == epoch and obj.get("node") != node):
+                        return known
+                if await self.client.put_if(self.root_key, value, None, rev):
+                    self._saw_root(json.loads(value))
+                    return None
+        except EtcdError as e:
+            self._outage(e)
+            return None
+        return None
+
+    def _saw_root(self, obj: dict | None) -> None:
+        if not obj or not isinstance(obj.get("epoch"), int):
+            return
+        if self.root is None or obj["epoch"] > self.root.get("epoch", -1):
+            self.root = obj
+            if self.on_root_epoch is not None:
+                self.on_root_epoch(obj["epoch"])
+
+    async def _watch_root(self) -> None:
+        while True:
+            try:
+                kvs, rev = await self.client.range(self.root_key)
+                if self.root_key in kvs:
+                    self._saw_root(_entry(kvs[self.root_key]))
+                async for kind, _key, value in self.client.watch(self.root_key, rev + 1, one_key=True):
+                    if kind != "DELETE":
+                        self._saw_root(_entry(value))
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # noqa: BLE001 - etcd away or a broken stream: look again
+                self._outage(e)
+            await asyncio.sleep(1.0)
+
     def _apply_all(self, kvs: dict[str, bytes]) -> None:
         before, was = dict(self.nodes), set(self.registered)
         self.registered = set()
@@ -482,6 +534,6 @@ class EtcdDirectory:
 
     def status(self) -> dict:
         return {"etcd": self.client.endpoints, "cluster": self.settings.cluster, "lease": self.lease,
-                "registered": sorted(self.registered), "revision": self.revision,
+                "registered": sorted(self.registered), "revision": self.revision, "root": self.root,
                 "outage_s": None if self.outage_since is None else round(time.monotonic() - self.outage_since, 1),
                 "last_error": self.last_error}

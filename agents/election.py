@@ -23,6 +23,12 @@ So a node acts as root only for an **epoch** it won:
   view it is sent). Within its epoch it numbers its views (``seq``): a view
   replaces another when ``(epoch, seq)`` is higher.
 
+With etcd, a won epoch is also written there (``/tierckpt/<cluster>/root``, only ever to a higher epoch,
+in a transaction) before the winner acts on it, and every agent watches that key: a root that sees a
+higher epoch recorded stops at once, even while it still sees a quorum (a root cut off from the others
+by a partition they detect first). etcd only adds a reason to stop: with etcd down the votes decide alone,
+so commits go on.
+
 A side of a partition without a majority has no root: its nodes keep what
 they hold, serve restores, and say in ``ckpt status`` (and to their trainers)
 why they cannot commit. A step needs every rank's row anyway, so nothing a
@@ -117,6 +123,10 @@ class Election:
         self._campaign: asyncio.Task | None = None
         #: called once this node won an epoch (the commit tree sends the new view down)
         self.on_elected: Callable[[], None] | None = None
+        #: with etcd, ``record(epoch, me)`` writes a won epoch there before this node acts on it: a higher epoch
+        #: already recorded (returned) means this node lost it after all; None when it was recorded, or etcd
+        #: cannot be reached (the vote alone decides then)
+        self.record: Callable[[int, int], Awaitable[int | None]] | None = None
 
     # -- state ---------------------------------------------------------------------------------
     def _load(self) -> int:
@@ -244,6 +254,13 @@ class Election:
         if votes >= self.quorum and self.candidate() and epoch > self.promised:
             self._promise(epoch)  # its own vote
             votes, refusals = await self._ask(others, {"epoch": epoch, "root": self.me, "dead": dead})
+            newer = await self.record(epoch, self.me) if self.record is not None and votes >= self.quorum \
+                and self.promised == epoch else None
+            if newer is not None:
+                self.note_epoch(newer)
+                self.last_failure = f"epoch {epoch} won, but etcd records epoch {newer} already: following it"
+                log.info("%s", self.last_failure)
+                return False
             if votes >= self.quorum and self.promised == epoch:
                 self.won = epoch
                 self.view = View(epoch, 0, self.me, frozenset(dead))

@@ -463,3 +463,39 @@ def test_packed_rows_come_back_as_they_went():
     for bad in (None, [], {"common": [], "rows": []}, {"common": {}, "rows": [1]}):
         with pytest.raises(ValueError):
             unpack_rows(bad)
+
+
+def test_an_epoch_won_by_vote_but_below_the_one_recorded_is_not_acted_on():
+    """With a record of won epochs (etcd in the agents), a node that wins the votes for an epoch below
+    the recorded one does not act as root: it follows the recorded epoch, campaigns above it, and the
+    step commits under that epoch. Every node's record call is one compare-and-set on a shared store."""
+    async def run() -> None:
+        net = Net(3, fanout=2)
+        store = {"epoch": 7, "node": 2}  # written by a root on the other side of a partition
+        attempts: list[tuple[int, int]] = []
+
+        def recorder(i: int):
+            async def record(epoch: int, node: int) -> int | None:
+                attempts.append((epoch, node))
+                if store["epoch"] > epoch or store["epoch"] == epoch and store["node"] != node:
+                    return store["epoch"]
+                store.update(epoch=epoch, node=node)
+                return None
+            return record
+
+        for i, d in net.nodes.items():
+            d.election.record = recorder(i)
+        net.start()
+        try:
+            await net.wait(lambda: net.nodes[0].is_root(), "node 0 root")
+            assert attempts[0] == (1, 0)  # it won epoch 1 by vote, and was told of epoch 7
+            won = net.nodes[0].election.won_epochs
+            assert won and all(e > 7 for e in won), won
+            assert store == {"epoch": won[-1], "node": 0}
+            net.commit(1)
+            await net.wait(lambda: all(("j", 1) in net.committed[i] for i in range(3)), "step 1")
+            assert all(net.nodes[i].view.epoch == won[-1] for i in range(3))
+        finally:
+            await net.stop()
+
+    asyncio.run(run())

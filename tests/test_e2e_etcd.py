@@ -240,3 +240,31 @@ def test_an_agent_whose_rank_is_taken_over_in_etcd_stops_acting_as_that_node(etc
     assert c.procs[1].wait(timeout=60) == 4
     assert "was taken over in etcd by the agent at 127.0.0.1:1" in c.log(1)
     assert "this agent stops (its node was replaced)" in c.log(1)
+
+
+def test_the_commit_roots_epoch_is_recorded_in_etcd_and_a_higher_one_there_unseats_the_root(etcd_cluster):
+    """Each won epoch is written to /tierckpt/<cluster>/root before the winner acts. A higher epoch recorded
+    there (what a root elected on the other side of a partition writes) makes the sitting root stop at once,
+    though it still sees every node; the next election takes an epoch above it, records it, and steps
+    commit again."""
+    c = etcd_cluster(3)
+
+    def tree(i: int) -> dict:
+        return c.status(i)["tree"]
+
+    c.wait_for(lambda: tree(0)["is_root"], "node 0 elected root")
+    first = tree(0)["epoch"]
+    c.wait_for(lambda: (_etcd_get(c, "/tierckpt/c1/root") or {}).get("epoch") == first, "the epoch in etcd")
+    assert _etcd_get(c, "/tierckpt/c1/root")["node"] == 0
+    c.stage("r", 1, [0, 1, 2])
+    c.wait_for(lambda: all(c.manifest(i, "r", 1) for i in range(3)), "step 1 on every node")
+    fenced = first + 10
+    _etcd_put(c, "/tierckpt/c1/root", {"epoch": fenced, "node": 2, "addr": "elsewhere:1"})
+    c.wait_for(lambda: tree(0)["promised"] >= fenced, "node 0 following the epoch etcd records")
+    c.wait_for(lambda: tree(0)["is_root"] and tree(0)["epoch"] > fenced, "a root elected above it")
+    assert all(tree(i)["epoch"] == tree(0)["epoch"] for i in range(3))
+    rec = _etcd_get(c, "/tierckpt/c1/root")
+    assert rec["epoch"] == tree(0)["epoch"] and rec["node"] == 0, rec
+    assert not [e for e in tree(0)["won_epochs"] if first < e <= fenced]  # no epoch at or below the fence won
+    c.stage("r", 2, [0, 1, 2])
+    c.wait_for(lambda: all(c.manifest(i, "r", 2) for i in range(3)), "step 2 on every node")
