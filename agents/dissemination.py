@@ -173,7 +173,8 @@ class Disseminator:
         self.resend_after = resend_after
         self.retry_after = retry_after
         self.election = Election(me, nodes=nodes, live=alive, post=post, probe=probe or self._no_probe,
-                                 quorum=quorum, state_file=state_file, retry_after=retry_after)
+                                 quorum=quorum, state_file=state_file, retry_after=retry_after,
+                                 ranks=lambda: set(alive()) | set(dead()))
         self.election.on_elected = self._elected
         self.stats = _Stats()
         #: since when (monotonic) and why sending rows up has been failing, None while it works

@@ -98,8 +98,11 @@ class Election:
 
     def __init__(self, me: int, *, nodes: int, live: Callable[[], set[int]], post: Post,
                  probe: Callable[[int], Awaitable[bool]], quorum: int | None = None,
-                 state_file: str | None = None, retry_after: float = 1.0) -> None:
+                 state_file: str | None = None, retry_after: float = 1.0,
+                 ranks: Callable[[], set[int]] | None = None) -> None:
         self.me = me
+        #: every node's rank (live or not; retired nodes are not nodes): the dead are those not live
+        self.ranks = ranks or (lambda: set(range(self.nodes)))
         self.nodes = nodes
         self._fixed_quorum = quorum
         self.quorum = quorum if quorum else majority(nodes)
@@ -152,14 +155,14 @@ class Election:
     def live(self) -> set[int]:
         return self._live() | {self.me}
 
-    def grow(self, nodes: int) -> None:
-        """The cluster has ``nodes`` nodes now (nodes were added): the quorum is a majority of them, unless it
-        was given. A sitting root that no longer sees a quorum steps down at its next check, as after a loss."""
-        if nodes <= self.nodes:
+    def resize(self, nodes: int) -> None:
+        """The cluster has ``nodes`` nodes now (nodes were added or retired): the quorum is a majority of them,
+        unless it was given (then at most ``nodes``). A sitting root that no longer sees a quorum steps down
+        at its next check, as after a loss."""
+        if nodes < 1 or nodes == self.nodes:
             return
         self.nodes = nodes
-        if not self._fixed_quorum:
-            self.quorum = majority(nodes)
+        self.quorum = min(self._fixed_quorum, nodes) if self._fixed_quorum else majority(nodes)
 
     def has_quorum(self) -> bool:
         return len(self.live()) >= self.quorum
@@ -248,7 +251,7 @@ class Election:
             return False
         epoch = max(self.promised, self.view.epoch) + 1
         self.campaigns += 1
-        dead = sorted(set(range(self.nodes)) - live)
+        dead = sorted(self.ranks() - live)
         others = sorted(live - {self.me})
         votes, refusals = await self._ask(others, {"epoch": epoch, "root": self.me, "dead": dead, "pre": True})
         if votes >= self.quorum and self.candidate() and epoch > self.promised:

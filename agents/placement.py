@@ -61,8 +61,9 @@ __all__ = [
 
 #: the placement names :func:`replica_targets` accepts
 PLACEMENTS = ("group", "ring")
-#: what a node is for: training (its ranks' shards have their primary copy there) or memory only
-ROLES = ("train", "memory")
+#: what a node is for: training (its ranks' shards have their primary copy there), memory only, or nothing any
+#: more (retired: it left the cluster, and its line stays so that the other nodes keep their ranks)
+ROLES = ("train", "memory", "retired")
 
 #: at most this many failure sets are enumerated for an exact answer; beyond it, Monte Carlo
 MAX_ENUMERATED = 2_000_000
@@ -194,13 +195,13 @@ def parse_peers(text: str) -> list[Node]:
             for word in words[1:]:
                 name, eq, value = word.partition("=")
                 if not eq or name not in ("domain", "role"):
-                    raise PeerListError(f"{where}: unknown field {word!r}; only domain=LABEL and role=train|memory "
+                    raise PeerListError(f"{where}: unknown field {word!r}; only domain=LABEL and role=train|memory|retired "
                                         "may follow host:port")
                 if name == "role":
                     if role is not None:
-                        raise PeerListError(f"{where}: role given twice; give one role=train|memory per agent")
+                        raise PeerListError(f"{where}: role given twice; give one role=train|memory|retired per agent")
                     if value not in ROLES:
-                        raise PeerListError(f"{where}: role {value!r} is neither train nor memory")
+                        raise PeerListError(f"{where}: role {value!r} is not train, memory or retired")
                     role = value
                     continue
                 if domain is not None:

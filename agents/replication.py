@@ -97,14 +97,21 @@ class Membership:
     def __post_init__(self) -> None:
         if not 0 <= self.me < len(self.nodes):
             raise ValueError(f"node rank {self.me} is not in the peer list of {len(self.nodes)} agents")
+        if self.nodes[self.me].role == "retired":
+            raise ValueError(f"node {self.me} is retired in the peer list (role=retired): it is no longer part of "
+                             "the cluster; give its line another role to bring it back")
         now = time.monotonic()
         for n in self.nodes:
-            if n.rank != self.me:
+            if n.rank != self.me and n.role != "retired":
                 # a peer starts alive with a full grace period: it may still be starting
                 self.peers[n.rank] = PeerState(n, last_seen=now)
         self.watched = set(self.peers)
-        self._order = placement_order(self.nodes)
+        self._order = placement_order(self.active())
         self._base: dict[int, list[int]] = {}
+
+    def active(self) -> list[Node]:
+        """The nodes that are part of the cluster: every node but the retired ones (``role=retired``)."""
+        return [n for n in self.nodes if n.role != "retired"]
 
     def seen(self, rank: int, bytes_held: int) -> bool:
         """Record a heartbeat answer; True if the peer was dead until now."""
@@ -182,9 +189,19 @@ class Membership:
         old = self.nodes[node.rank]
         self.nodes[node.rank] = node
         self.peers[node.rank] = PeerState(node, last_seen=time.monotonic(), alive=True)
-        if old.domain != node.domain:
-            self._order = placement_order(self.nodes)
+        if (old.domain, old.role) != (node.domain, node.role):
+            self._order = placement_order(self.active())
             self._base.clear()
+
+    def retire(self, node: Node) -> None:
+        """Node ``node.rank`` left the cluster (its line says ``role=retired``): no longer a peer, never
+        heartbeat or counted; placement is computed again over the nodes left, and the heal makes up the
+        copies it held."""
+        self.nodes[node.rank] = node
+        self.peers.pop(node.rank, None)
+        self.watched.discard(node.rank)
+        self._order = placement_order(self.active())
+        self._base.clear()
 
     def add(self, node: Node) -> None:
         """Node ``node.rank`` (the next rank) joins: a peer that has not answered yet, with the start-up grace;
@@ -193,8 +210,9 @@ class Membership:
             raise ValueError(f"node {node.rank} cannot join a cluster of {len(self.nodes)} nodes: ranks are added "
                              "in order")
         self.nodes.append(node)
-        self.peers[node.rank] = PeerState(node, last_seen=time.monotonic(), alive=True)
-        self._order = placement_order(self.nodes)
+        if node.role != "retired":
+            self.peers[node.rank] = PeerState(node, last_seen=time.monotonic(), alive=True)
+        self._order = placement_order(self.active())
         self._base.clear()
 
     def dead(self) -> set[int]:
@@ -209,8 +227,10 @@ class Membership:
         base = self._base.get(primary)
         if base is None:
             # depends only on the peer list: computed once per primary (it walks the whole placement)
-            base = self._base[primary] = [primary] + replica_targets(self.nodes, primary, self.replicas,
-                                                                     self.placement)
+            active = self.active()
+            base = self._base[primary] = [primary] + (
+                replica_targets(active, primary, self.replicas, self.placement)
+                if any(n.rank == primary for n in active) else [])
         pos = self._order.index(primary) if primary in self._order else 0
         rest = self._order[pos + 1:] + self._order[:pos]
         out: list[int] = []
@@ -225,7 +245,7 @@ class Membership:
         """The ``count`` nodes after ``primary``'s placement partners in placement order: where copies of
         its shards go when partners die (see :meth:`desired`), so where a replacement looks next."""
         pos = self._order.index(primary) if primary in self._order else 0
-        partners = set(self.desired(primary, {n.rank for n in self.nodes}))
+        partners = set(self.desired(primary, {n.rank for n in self.active()}))
         rest = [r for r in self._order[pos + 1:] + self._order[:pos] if r not in partners]
         return rest[:count]
 
@@ -427,5 +447,5 @@ def placement_partners(settings) -> set[int]:
         return set()
     nodes = load_peer_list(settings.peers)
     m = Membership(nodes, settings.node_rank, settings.replicas, settings.placement, settings.dead_after)
-    return set(m.desired(settings.node_rank, {n.rank for n in nodes})) - {settings.node_rank}
+    return set(m.desired(settings.node_rank, {n.rank for n in m.active()})) - {settings.node_rank}
 

@@ -186,7 +186,7 @@ class Replicator:
         self._beat_deadline = max(0.2, min(s.peer_timeout, s.dead_after / 2))
         self._beat_tiers = {n.rank: PeerTier(n.addr, secret=self._secret, node=self.me, timeout=self._beat_deadline,
                                              ssl_context=self._client_ssl, retries=0)
-                            for n in nodes if n.rank != self.me}
+                            for n in nodes if n.rank != self.me and n.role != "retired"}
         self._beating: dict[int, asyncio.Future] = {}
         mine = nodes[self.me]
         # control messages (commit tree, heartbeats) get their own threads and one keep-alive link per peer,
@@ -210,7 +210,7 @@ class Replicator:
                                      ssl_context=self._client_ssl)
         self.dis = Disseminator(self.me, alive=self.members.alive, post=self._post, on_rows=book.take_rows,
                                 on_manifest=book.receive_manifest, on_view=self._adopt_view,
-                                on_report=self.members.mark, dead=self.members.dead, nodes=len(nodes),
+                                on_report=self.members.mark, dead=self.members.dead, nodes=len(self.members.active()),
                                 probe=self._probe, quorum=s.quorum or None,
                                 state_file=os.path.join(s.shm, ".election.json"), fanout=s.fanout,
                                 resend_after=s.peer_timeout, retry_after=s.heartbeat)
@@ -741,11 +741,9 @@ class Replicator:
     def reload_peers(self) -> list[int]:
         """Read the peers file again and take in the nodes whose address or domain changed (a node replaced
         by a machine at a new address) and the nodes added at its end (the cluster grew): links, clients,
-        placement and the election's quorum follow, and each new machine gets a start-up grace. Removing a
-        line needs every agent restarted (a node that left is dead to the others until then). Returns the
-        nodes taken in."""
-        from tiers.peer import PeerTier
-
+        placement and the election's quorum follow, and each new machine gets a start-up grace. A node whose
+        line says ``role=retired`` now leaves the cluster (a line is retired rather than removed, which would
+        move every later node's rank). Returns the nodes taken in or retired."""
         from .placement import PeerListError
 
         try:
@@ -754,58 +752,76 @@ class Replicator:
             log.error("the peers file %s cannot be read again (%s): keeping the %d nodes this agent knows",
                       self.settings.peers, e, len(self.members.nodes))
             return []
-        old = self.members.nodes
+        old = list(self.members.nodes)
         if len(new) < len(old):
             log.error("the peers file now lists %d nodes, this agent runs with %d: nodes can be added at the end "
-                      "or given a new address while the agents run; removing a line needs every agent restarted "
-                      "(a node that left is dead to the others meanwhile)", len(new), len(old))
+                      "given a new address or retired (role=retired on its line) while the agents run; a removed line "
+                      "would move the ranks of the nodes after it: put it back and retire it", len(new), len(old))
             return []
         if new[self.me].addr != old[self.me].addr:
             log.error("the peers file now gives this node (%d) the address %s, it serves %s: restart this agent "
                       "to move it", self.me, new[self.me].addr, old[self.me].addr)
             return []
         added = new[len(old):]
-        moved = [n for n in new[:len(old)]
-                 if n.rank != self.me and (n.addr, n.domain) != (old[n.rank].addr, old[n.rank].domain)]
-        s = self.settings
+        changed = [n for n in new[:len(old)] if n.rank != self.me
+                   and (n.addr, n.domain, n.role) != (old[n.rank].addr, old[n.rank].domain, old[n.rank].role)]
+        retired = [n for n in changed if n.role == "retired"]
+        moved = [n for n in changed if n.role != "retired"]
         for n in added:
             log.warning("node %d (%s%s) joined: the cluster has %d nodes now", n.rank, n.addr,
                         ", memory-only" if n.role == "memory" else "", n.rank + 1)
             self.members.add(n)
-            self._links[n.rank] = PeerLink(n.addr, secret=self._secret, node=self.me, timeout=s.peer_timeout,
-                                           ssl_context=self._client_ssl)
-            self._fetch_links.readdress(n.rank, n.addr)
-            self.peer_tiers[n.rank] = peer_tier_map(s, timeout=s.peer_timeout, secret=self._secret,
-                                                    ssl_context=self._client_ssl, bucket=self._bucket,
-                                                    only={n.rank})[n.rank]
-            self._beat_tiers[n.rank] = PeerTier(n.addr, secret=self._secret, node=self.me,
-                                                timeout=self._beat_deadline, ssl_context=self._client_ssl, retries=0)
-        if added:
-            self.dis.election.grow(len(self.members.nodes))
-            self._near_all = None
-            self._sources_cache = None
+            self._open_node(n)
+        for n in retired:
+            log.warning("node %d (%s) is retired (role=retired in the peers file): it leaves the cluster; placement, "
+                        "heartbeats and the commit quorum go on without it, and the heal makes up the copies it "
+                        "held", n.rank, old[n.rank].addr)
+            self.members.retire(n)
+            self._close_node(n.rank)
+            self.layouts.forget_place(f"node-{n.rank}")
+            self.peers_differ.discard(n.rank)
         for n in moved:
-            log.log(logging.INFO if ".invalid:" in old[n.rank].addr else logging.WARNING,
-                    "node %d is %s now (was %s): taking in the new machine", n.rank, n.addr, old[n.rank].addr)
+            was = old[n.rank]
+            log.log(logging.INFO if ".invalid:" in was.addr else logging.WARNING,
+                    "node %d is %s now (was %s%s): taking in the new machine", n.rank, n.addr, was.addr,
+                    ", retired" if was.role == "retired" else "")
             self.members.replace(n)
-            self._links[n.rank].close()
-            self._links[n.rank] = PeerLink(n.addr, secret=self._secret, node=self.me, timeout=s.peer_timeout,
-                                           ssl_context=self._client_ssl)
-            self._fetch_links.readdress(n.rank, n.addr)
-            self.peer_tiers[n.rank].close()
-            self.peer_tiers[n.rank] = peer_tier_map(s, timeout=s.peer_timeout, secret=self._secret,
-                                                    ssl_context=self._client_ssl, bucket=self._bucket,
-                                                    only={n.rank})[n.rank]
-            self._beat_tiers[n.rank].close()
-            self._beat_tiers[n.rank] = PeerTier(n.addr, secret=self._secret, node=self.me,
-                                                timeout=self._beat_deadline, ssl_context=self._client_ssl, retries=0)
+            self._close_node(n.rank)
+            self._open_node(n)
             self.layouts.forget_place(f"node-{n.rank}")  # a new machine holds none of the job's layouts
             self.peers_differ.discard(n.rank)
+        if added or retired or any(old[n.rank].role == "retired" for n in moved):
+            self.dis.election.resize(len(self.members.active()))
+            self._near_all = None
+            self._sources_cache = None
         self.peers_digest = _digest(self.members.nodes)
         self.peer_server.health_extra["peers"] = self.peers_digest
-        if moved or added:
+        if changed or added:
             self._membership_changed()
-        return [n.rank for n in moved + added]
+        return [n.rank for n in changed + added]
+
+    def _open_node(self, n) -> None:
+        """Links, clients and the heartbeat client for node ``n`` (one that joined or moved)."""
+        from tiers.peer import PeerTier
+
+        s = self.settings
+        self._links[n.rank] = PeerLink(n.addr, secret=self._secret, node=self.me, timeout=s.peer_timeout,
+                                       ssl_context=self._client_ssl)
+        self._fetch_links.readdress(n.rank, n.addr)
+        if n.role == "retired":
+            return
+        self.peer_tiers[n.rank] = PeerTier(n.addr, secret=self._secret, node=self.me, timeout=s.peer_timeout,
+                                           ssl_context=self._client_ssl, bucket=self._bucket)
+        self._beat_tiers[n.rank] = PeerTier(n.addr, secret=self._secret, node=self.me,
+                                            timeout=self._beat_deadline, ssl_context=self._client_ssl, retries=0)
+
+    def _close_node(self, rank: int) -> None:
+        """Close what :meth:`_open_node` opened for node ``rank`` (it moved or left)."""
+        for table in (self._links, self.peer_tiers, self._beat_tiers):
+            client = table.pop(rank, None)
+            if client is not None:
+                with contextlib.suppress(Exception):
+                    client.close()
 
     async def _health(self, r: int, pool) -> dict:
         return await asyncio.get_running_loop().run_in_executor(pool, self._beat_tiers[r].health)
@@ -855,7 +871,7 @@ class Replicator:
             return dead
         near = self._near_all
         if near is None:
-            everyone = sorted(n.rank for n in self.members.nodes)
+            everyone = sorted(n.rank for n in self.members.active())
             near = set(tree_children(everyone, self.me, self.settings.fanout))
             parent = tree_parent(everyone, self.me, self.settings.fanout)
             near |= {parent} if parent is not None else set()

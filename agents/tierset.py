@@ -66,7 +66,7 @@ def peer_tier_map(settings, *, timeout: float, secret: bytes | None, ssl_context
     kind = PeerDiskTier if disk else PeerTier
     return {n.rank: kind(n.addr, secret=secret, node=settings.node_rank, timeout=timeout,
                              ssl_context=ssl_context, bucket=bucket)
-            for n in load_peer_list(settings.peers) if n.rank != settings.node_rank
+            for n in load_peer_list(settings.peers) if n.rank != settings.node_rank and n.role != "retired"
             and (only is None or n.rank in only) and (exclude is None or n.rank not in exclude)}
 
 

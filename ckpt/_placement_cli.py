@@ -101,7 +101,10 @@ def _nodes(a: argparse.Namespace) -> list[Node] | int:
         raise PeerListError(f"{a.peers}: {e}") from e
     if a.nodes is not None and a.nodes != len(nodes):
         raise _UsageError(f"--nodes {a.nodes} but {a.peers} lists {len(nodes)} agents; drop --nodes or fix the file")
-    return nodes
+    active = [n for n in nodes if n.role != "retired"]  # left the cluster: placed nowhere, as the agents do
+    if not active:
+        raise _UsageError(f"every node in {a.peers} is retired (role=retired): there is no cluster to place on")
+    return active
 
 
 def _table(rows: list[list[str]]) -> str:

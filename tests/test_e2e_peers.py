@@ -26,7 +26,8 @@ FAST = ["--heartbeat", "0.2", "--dead-after", "3"]
 class Cluster:
     """``n`` agents on 127.0.0.1, a peers file, a shared secret."""
 
-    def __init__(self, root, n: int, placement: str = "group", replicas: int = 2, domains=None) -> None:
+    def __init__(self, root, n: int, placement: str = "group", replicas: int = 2, domains=None,
+                 extra: tuple = ()) -> None:
         self.root = root
         self.n = n
         self.ports = [free_port() for _ in range(n)]
@@ -39,7 +40,7 @@ class Cluster:
         os.write(fd, secrets.token_hex(32).encode())  # text: load_secret strips trailing whitespace
         os.close(fd)
         self.args = ["--peers", self.peers, "--secret-file", self.secret, "--placement", placement,
-                     "--replicas", str(replicas), *FAST]
+                     "--replicas", str(replicas), *FAST, *extra]
         self.procs: dict[int, object] = {}
         for i in range(n):
             self.start(i)
@@ -532,3 +533,39 @@ def test_a_trainer_hears_of_a_copy_its_peer_refused_as_a_warning_and_loses_nothi
     finally:
         for a in agents:
             kill9(a)
+
+
+def test_retiring_nodes_in_the_peers_file_shrinks_the_running_cluster_and_its_quorum(cluster):
+    """Four agents; nodes 2 and 3 are lost for good. Nodes 0 and 1 see 2 of 4 nodes, below the quorum of 3,
+    so a step saved on them is held (wait says why). Their lines in the peers file are then marked
+    role=retired: without a restart both agents leave the two out (2 nodes, quorum 1 of 2), the held step
+    commits on both, and node 0's shard gets its copy on node 1 (placement over the nodes left)."""
+    # a peer that never answered a node gets the start-up grace before it is dead there: short here, since
+    # nodes 2 and 3 are lost right after the start
+    c = cluster(4, extra=("--startup-grace", "3"))
+    c.wait_for(lambda: all(agent_call(c.shm(i), "status")["tree"]["root"] == 0 for i in range(4)),
+               "node 0 elected root by all four", timeout=60)
+    c.kill(2)
+    c.kill(3)
+    # node 0 watches both lost nodes; node 1 hears through node 0 (no root sends views now)
+    c.wait_for(lambda: "2 of 4 nodes alive" in (agent_call(c.shm(0), "status")["tree"]["blocked"] or "")
+               and agent_call(c.shm(1), "status")["tree"]["blocked"], "nodes 0 and 1 without a quorum", timeout=60)
+    data = _stage_ranks({0: c.shm(0), 1: c.shm(1)}, "shrink", 1, 1 << 20, world=2)
+    held = agent_call(c.shm(0), "wait", job="shrink", step=1, timeout=60)
+    assert not held["done"] and any("cannot commit" in e for e in held["errors"]), held
+    lines = open(c.peers).read().splitlines()
+    with open(c.peers + ".tmp", "w") as f:
+        f.writelines(f"{ln} role=retired\n" if i >= 2 else f"{ln}\n" for i, ln in enumerate(lines))
+    os.replace(c.peers + ".tmp", c.peers)
+    c.wait_for(lambda: all(agent_call(c.shm(i), "status")["tree"]["nodes"] == 2 for i in (0, 1)),
+               "both agents counting 2 nodes", timeout=60)
+    for i in (0, 1):
+        st = agent_call(c.shm(i), "status")
+        assert st["tree"]["quorum"] == 1 and {p["node"] for p in st["peers"]} == {1 - i}, st
+    for r in (0, 1):
+        assert agent_call(c.shm(r), "wait", job="shrink", step=1, timeout=60)["done"]
+    c.wait_for(lambda: all(c.holds(i, "shrink", 1, rank=i) for i in (0, 1)), "step 1 committed on both nodes")
+    c.wait_for(lambda: os.path.exists(os.path.join(c.shm(1), "shrink", "step-1", "rank-0.shard")),
+               "node 0's copy on node 1")
+    assert open(os.path.join(c.shm(1), "shrink", "step-1", "rank-0.shard"), "rb").read() == data[0]
+    assert "is retired (role=retired in the peers file)" in open(c.procs[0].log_path).read()

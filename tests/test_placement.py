@@ -778,11 +778,36 @@ def test_a_pool_copy_goes_to_another_failure_domain_where_one_is_left():
     assert sorted(replica_targets(nodes, 0, 3)) == [2, 3]
 
 
-def test_a_role_other_than_train_or_memory_is_refused_with_the_line():
+def test_a_role_other_than_train_memory_or_retired_is_refused_with_the_line():
     from agents.placement import PeerListError, parse_peers
 
-    with pytest.raises(PeerListError, match="line 2: role 'spare' is neither train nor memory"):
+    with pytest.raises(PeerListError, match="line 2: role 'spare' is not train, memory or retired"):
         parse_peers("a:1\nb:1 role=spare\n")
     with pytest.raises(PeerListError, match="role given twice"):
         parse_peers("a:1 role=memory role=train\n")
     assert [n.role for n in parse_peers("a:1\nb:1 role=memory domain=r\n")] == ["train", "memory"]
+
+
+def test_a_retired_node_is_no_peer_and_placement_goes_on_over_the_nodes_left():
+    """``role=retired`` keeps a line (so the later nodes keep their ranks) but not the node: it is not a
+    peer, holds no copies, and placement is that of the cluster without it; the node itself cannot run."""
+    from agents.placement import parse_peers, replica_targets
+    from agents.replication import Membership
+
+    nodes = parse_peers("a:1\nb:1\nc:1 role=retired\nd:1\n")
+    assert [n.role for n in nodes] == ["train", "train", "retired", "train"]
+    m = Membership(nodes, 0, 2, "ring", 3.0)
+    assert set(m.peers) == {1, 3} and m.alive() == {0, 1, 3}
+    assert [n.rank for n in m.active()] == [0, 1, 3]
+    for r in (0, 1, 3):
+        assert 2 not in m.desired(r, {0, 1, 3}) and 2 not in m.fallbacks(r, 3)
+    live = [n for n in nodes if n.role != "retired"]
+    assert m.desired(1, {0, 1, 3}) == [1] + replica_targets(live, 1, 2, "ring")  # 1 -> 3: the ring skips 2
+    with pytest.raises(ValueError, match="node 2 is retired"):
+        Membership(nodes, 2, 2, "ring", 3.0)
+    # retiring a running member: it stops being a peer, and its copies go to the next node
+    m = Membership(parse_peers("a:1\nb:1\nc:1\n"), 0, 2, "ring", 3.0)
+    assert m.targets(0) == [1]
+    m.retire(parse_peers("a:1\nb:1 role=retired\nc:1\n")[1])
+    assert m.targets(0) == [2] and 1 not in m.peers and 1 not in m.watched
+    assert m.mark("alive", 1) is False and 1 not in m.alive()
