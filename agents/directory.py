@@ -232,9 +232,9 @@ class EtcdDirectory:
         self.revision = 0
 
     # -- the file ---------------------------------------------------------------------------
-    def _me(self) -> dict:
+    def _me(self, rank: int | None = None) -> dict:
         s = self.settings
-        return {"rank": s.node_rank, "addr": s.advertise, "domain": s.domain,
+        return {"rank": s.node_rank if rank is None else rank, "addr": s.advertise, "domain": s.domain,
                 "role": "memory" if s.memory_only else "train", "pid": os.getpid()}
 
     def _write(self) -> None:
@@ -341,18 +341,26 @@ class EtcdDirectory:
                 if addr and addr != self.settings.advertise:
                     log.warning("node rank %d was registered by %s, which does not answer: this node (%s) takes it "
                                 "over", rank, addr, self.settings.advertise)
-            lease = await self.client.grant(ttl)
-            self.settings.node_rank = rank
-            if await self.client.put_if(key, json.dumps(self._me()).encode(), lease, rev):
-                old, self.lease = self.lease, lease
-                if old:
-                    with contextlib.suppress(EtcdError):
-                        await self.client.revoke(old)
-                self._remember(rank)
+            if await self._put_claim(rank, ttl, rev):
                 return
-            with contextlib.suppress(EtcdError):
-                await self.client.revoke(lease)  # changed since it was looked at: look again
         raise EtcdError(f"node rank {rank}: its key in etcd kept changing while this agent registered")
+
+    async def _put_claim(self, rank: int, ttl: int, rev: int) -> bool:
+        """Put this node's key for ``rank`` under a new lease if the key's last change is still ``rev`` (0: if
+        it does not exist); then this node is ``rank`` (kept in ``<shm>/.node-rank``) and its old lease is
+        revoked. False, with nothing changed, when the key changed since it was read."""
+        lease = await self.client.grant(ttl)
+        if not await self.client.put_if(f"{self.prefix}{rank}", json.dumps(self._me(rank)).encode(), lease, rev):
+            with contextlib.suppress(EtcdError):
+                await self.client.revoke(lease)
+            return False
+        self.settings.node_rank = rank
+        old, self.lease = self.lease, lease
+        if old:
+            with contextlib.suppress(EtcdError):
+                await self.client.revoke(old)
+        self._remember(rank)
+        return True
 
     async def _claim_any(self, ttl: int) -> None:
         """``--node-rank auto``: the rank this machine had before (kept in ``<shm>/.node-rank``) if it can
@@ -379,15 +387,10 @@ class EtcdDirectory:
             rank = next(r for r in range(MAX_NODES + 1) if r not in held)
             if rank >= MAX_NODES:
                 raise RankTakenError(f"cluster {self.settings.cluster!r} has every one of its {MAX_NODES} ranks taken")
-            lease = await self.client.grant(ttl)
-            self.settings.node_rank = rank
-            if await self.client.put_if(f"{self.prefix}{rank}", json.dumps(self._me()).encode(), lease, 0):
-                self.lease = lease
-                self._remember(rank)
+            if await self._put_claim(rank, ttl, 0):
                 log.info("node rank %d claimed in etcd (the lowest free one)", rank)
                 return
-            with contextlib.suppress(EtcdError):
-                await self.client.revoke(lease)  # another node claimed it first: the next free one
+            # another node claimed it first: the next free one
         raise EtcdError("no free node rank could be claimed in etcd: the cluster's ranks kept changing")
 
     def _remember(self, rank: int) -> None:

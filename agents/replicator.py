@@ -302,8 +302,8 @@ class Replicator:
                 key, size, checksum = shard, nbytes, pend.checksums[rank]
             if await self._push_layout(r, job, digest) and await self._push(r, key, path, size, checksum):
                 return True
-            if os.path.exists(path):  # not trimmed meanwhile: the step has one copy fewer than asked for now
-                st = self.members.peers[r]
+            st = self.members.peers.get(r)  # None: retired meanwhile
+            if st is not None and os.path.exists(path):  # not trimmed meanwhile: one copy fewer than asked for
                 self.book.notice(job, f"step {step}: rank {rank}'s shard has no copy on node {r} ({st.node.addr}) "
                                       f"yet: {st.last_error or 'the copy failed'}; it stays on node {self.me}, and "
                                       "the heal copies it again (ckpt status shows the peers)")

@@ -427,16 +427,22 @@ def test_a_node_with_another_peers_file_is_named_in_status_and_the_log(tmp_path)
             kill9(a)
 
 
+def _node_files(tmp_path, suffixes: list[str]) -> tuple[str, list[int], str, list[str]]:
+    """A secret, a free port per node, a peers file whose line ``i`` is ``127.0.0.1:PORT`` + ``suffixes[i]``,
+    and each node's memory folder (not created)."""
+    secret = write_secret(str(tmp_path / "secret"))
+    ports = [free_port() for _ in suffixes]
+    peers = str(tmp_path / "peers.txt")
+    with open(peers, "w") as f:
+        f.writelines(f"127.0.0.1:{p}{extra}\n" for p, extra in zip(ports, suffixes))
+    return secret, ports, peers, [str(tmp_path / f"node{i}" / "shm") for i in range(len(suffixes))]
+
+
 def test_a_memory_only_node_takes_replicas_up_to_its_limit_and_serves_restores(tmp_path):
     """Nodes 0 and 1 train; node 2 trains nothing (role=memory, --memory-only) and takes both nodes' copies.
     Past its --memory-limit a copy is refused with the reason, the step still commits and stays with its
     primary; a save sent to it is refused; and when node 0 is lost, rank 0 restores from node 2's memory."""
-    secret = write_secret(str(tmp_path / "secret"))
-    ports = [free_port() for _ in range(3)]
-    peers = str(tmp_path / "peers.txt")
-    with open(peers, "w") as f:
-        f.write(f"127.0.0.1:{ports[0]}\n127.0.0.1:{ports[1]}\n127.0.0.1:{ports[2]} role=memory\n")
-    shm = [str(tmp_path / f"node{i}" / "shm") for i in range(3)]
+    secret, ports, peers, shm = _node_files(tmp_path, ["", "", " role=memory"])
     agents = {}
     try:
         for i in range(3):
@@ -505,12 +511,7 @@ def test_a_trainer_hears_of_a_copy_its_peer_refused_as_a_warning_and_loses_nothi
 
     import torch
 
-    secret = write_secret(str(tmp_path / "secret"))
-    ports = [free_port() for _ in range(2)]
-    peers = str(tmp_path / "peers.txt")
-    with open(peers, "w") as f:
-        f.write(f"127.0.0.1:{ports[0]}\n127.0.0.1:{ports[1]} role=memory\n")
-    shm = [str(tmp_path / f"node{i}" / "shm") for i in range(2)]
+    secret, ports, peers, shm = _node_files(tmp_path, ["", " role=memory"])
     agents = []
     try:
         for i in range(2):
