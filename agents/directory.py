@@ -447,14 +447,12 @@ class EtcdDirectory:
                 self._apply_all(kvs)
                 self.revision = rev
                 self._back()
+                if self._taken_over(kvs.get(f"{self.prefix}{self.settings.node_rank}")):
+                    return
                 async for kind, key, value in self.client.watch(self.prefix, rev + 1):
-                    if kind != "DELETE" and key == f"{self.prefix}{self.settings.node_rank}":
-                        other = _entry(value)
-                        if other is not None and (other.get("addr"), other.get("pid")) != (self.settings.advertise,
-                                                                                        os.getpid()):
-                            self._replaced(f"node rank {self.settings.node_rank} was taken over in etcd by the agent at "
-                                           f"{other.get('addr')} (pid {other.get('pid')})")
-                            return
+                    if kind != "DELETE" and key == f"{self.prefix}{self.settings.node_rank}" \
+                            and self._taken_over(value):
+                        return
                     before = dict(self.nodes)
                     rank = self._take(key, None if kind == "DELETE" else value)
                     if rank is None:
@@ -470,6 +468,16 @@ class EtcdDirectory:
             except Exception as e:  # noqa: BLE001 - a broken stream: list again and watch again
                 self._outage(e)
             await asyncio.sleep(1.0)
+
+    def _taken_over(self, value: bytes | None) -> bool:
+        """Whether this node's key holds another agent's registration (listed or watched): then this agent
+        stops being the node (:meth:`_replaced`)."""
+        other = _entry(value) if value is not None else None
+        if other is None or (other.get("addr"), other.get("pid")) == (self.settings.advertise, os.getpid()):
+            return False
+        self._replaced(f"node rank {self.settings.node_rank} was taken over in etcd by the agent at "
+                       f"{other.get('addr')} (pid {other.get('pid')})")
+        return True
 
     def _replaced(self, why: str) -> None:
         """Another agent holds this node's rank now (this machine was cut off long enough to be replaced):

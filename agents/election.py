@@ -172,10 +172,16 @@ class Election:
         return self.won is not None and self.won == self.view.epoch == self.promised \
             and self.view.root == self.me and self.has_quorum()
 
+    def sitting(self) -> int | None:
+        """The root of this node's view while that view's epoch is the newest this node promised: once it
+        promised a higher one (it voted in a newer election, or etcd records one) that root is superseded,
+        alive or not, so it neither comes first in the tree order nor holds off a candidate."""
+        return self.view.root if self.view.epoch >= self.promised else None
+
     def order(self) -> list[int]:
         """The live nodes in tree order: the sitting root first while it is alive here, then by rank."""
         live = sorted(self.live())
-        root = self.view.root
+        root = self.sitting()
         if root is not None and root in live and (root != self.me or self.is_root()):
             return [root] + [r for r in live if r != root]
         return live
@@ -230,6 +236,11 @@ class Election:
                 votes += 1
             else:
                 refusals.append(f"node {r}: {a.get('why', 'refused')}")
+                # a refusal says the epoch the node promised: campaign above it next time, not for it again
+                # (a candidate that only adopted views asked for an epoch promised to a failed candidate forever)
+                epoch = a.get("epoch")
+                if isinstance(epoch, int) and not isinstance(epoch, bool) and epoch > self.promised:
+                    self.note_epoch(epoch)
             if "view" in a:  # a refusal names the sitting root: follow it instead of campaigning again
                 try:
                     self.adopt(View.from_json(a["view"]))
@@ -299,7 +310,7 @@ class Election:
         if self.me in before and self.has_quorum():
             return refuse(f"node {self.me} comes before node {cand} and sees a quorum itself")
         others = [r for r in before if r != self.me]
-        root = self.view.root
+        root = self.sitting()
         if root is not None and root not in (cand, self.me) and root not in others and root in self.live():
             others.append(root)  # the sitting root: a candidate takes over only once it is gone
         reached = await asyncio.gather(*(self.probe(r) for r in others))

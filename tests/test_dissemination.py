@@ -499,3 +499,33 @@ def test_an_epoch_won_by_vote_but_below_the_one_recorded_is_not_acted_on():
             await net.stop()
 
     asyncio.run(run())
+
+
+def test_a_candidate_refused_for_an_epoch_promised_elsewhere_asks_above_it_next():
+    """Nodes 1 and 2 promised epoch 1 to a candidate that then failed, so no root exists and their views are
+    of epoch 0. Node 0 asks them for epoch 1 and is refused; it must ask for epoch 2 next, and win it, rather
+    than ask for epoch 1 again and again."""
+    from agents.election import Election
+
+    async def run() -> None:
+        voters = {r: Election(r, nodes=3, live=lambda: {0, 1, 2}, post=None, probe=None) for r in (1, 2)}
+        for e in voters.values():
+            e.note_epoch(1)  # promised to the candidate that failed
+        asked: list[int] = []
+
+        async def post(r: int, path: str, body: dict) -> dict:
+            asked.append(body["epoch"])
+            return await voters[r].handle_vote(body)
+
+        async def probe(r: int) -> bool:
+            return True
+
+        for e in voters.values():
+            e.probe = probe
+        cand = Election(0, nodes=3, live=lambda: {0, 1, 2}, post=post, probe=probe, retry_after=0.0)
+        assert await cand.campaign() is False
+        assert cand.promised == 1 and set(asked) == {1}
+        assert await cand.campaign() is True
+        assert cand.won == 2 and max(asked) == 2
+
+    asyncio.run(run())
