@@ -16,6 +16,10 @@ agent as soon as its new agent registers, with no file to edit anywhere.
   No agent waits at start for the others.
 * A rank past ``--nodes`` that registers (a node added to a running cluster, started with its own rank)
   grows the file, and every agent takes it in as a new node.
+* A rank retired (``ckpt retire --etcd ... RANK``: its key holds ``role: retired``, with no lease) leaves the
+  cluster for good: its line says ``role=retired``, so every agent drops it as a peer, placement and the
+  commit quorum count the nodes left, and the heal makes up the copies it held. Its agent, if it still
+  runs, stops; no agent may claim the rank again (``--node-rank auto`` takes a free one).
 * **etcd down.** The agent keeps serving, committing and restoring with the last membership it saw; no
   node is declared dead because etcd is unreachable (the heartbeats still judge liveness). Registration
   and the watch are retried, and the reason is logged once per outage. A node that joins meanwhile waits.
@@ -36,7 +40,7 @@ import os
 import time
 from collections.abc import AsyncIterator, Callable
 
-__all__ = ["EtcdClient", "EtcdDirectory", "EtcdError", "RankTakenError", "UNREGISTERED"]
+__all__ = ["EtcdClient", "EtcdDirectory", "EtcdError", "RankTakenError", "UNREGISTERED", "retire_nodes"]
 
 log = logging.getLogger("tierckpt.agent")
 
@@ -193,9 +197,13 @@ def _node_line(obj: dict) -> str:
     line = obj["addr"]
     if obj.get("domain"):
         line += f" domain={obj['domain']}"
-    if obj.get("role") == "memory":
-        line += " role=memory"
+    if obj.get("role") in ("memory", "retired"):
+        line += f" role={obj['role']}"
     return line
+
+
+def _retired(obj: dict | None) -> bool:
+    return bool(obj) and obj.get("role") == "retired"
 
 
 class EtcdDirectory:
@@ -271,7 +279,10 @@ class EtcdDirectory:
             log.warning("etcd holds a malformed entry for node %d (%s): ignored", rank, e)
             return None
         self.nodes[rank] = obj
-        self.registered.add(rank)
+        if _retired(obj):
+            self.registered.discard(rank)
+        else:
+            self.registered.add(rank)
         return rank
 
     # -- start ------------------------------------------------------------------------------
@@ -329,6 +340,11 @@ class EtcdDirectory:
             if held is not None:
                 value, rev = held
                 other = _entry(value)
+                if _retired(other):
+                    raise RankTakenError(
+                        f"node rank {rank} of cluster {self.settings.cluster!r} is retired in etcd (it left the "
+                        "cluster; the ranks after it keep theirs): start this node with --node-rank auto, or a "
+                        "rank nobody holds, to join as a new node")
                 addr = other.get("addr") if other else None
                 if addr and (addr, other.get("pid")) != (self.settings.advertise, os.getpid()):
                     # not this agent's own key: someone answering there (another agent, at this address too)
@@ -475,15 +491,18 @@ class EtcdDirectory:
         other = _entry(value) if value is not None else None
         if other is None or (other.get("addr"), other.get("pid")) == (self.settings.advertise, os.getpid()):
             return False
-        self._replaced(f"node rank {self.settings.node_rank} was taken over in etcd by the agent at "
-                       f"{other.get('addr')} (pid {other.get('pid')})")
+        if _retired(other):
+            self._replaced(f"node rank {self.settings.node_rank} was retired in etcd (ckpt retire)")
+        else:
+            self._replaced(f"node rank {self.settings.node_rank} was taken over in etcd by the agent at "
+                           f"{other.get('addr')} (pid {other.get('pid')})")
         return True
 
     def _replaced(self, why: str) -> None:
-        """Another agent holds this node's rank now (this machine was cut off long enough to be replaced):
-        this agent must not act as that node any more."""
-        log.error("%s: this agent stops (its node was replaced); start it again with --node-rank auto, or another "
-                  "rank, to join as a new node", why)
+        """Another agent holds this node's rank now (this machine was cut off long enough to be replaced), or
+        the rank was retired: this agent must not act as that node any more."""
+        log.error("%s: this agent stops (its node was %s); start it again with --node-rank auto, or another "
+                  "rank, to join as a new node", why, "retired" if "retired in etcd" in why else "replaced")
         if self.on_replaced is not None:
             self.on_replaced(why)
 
@@ -548,3 +567,50 @@ class EtcdDirectory:
                 "registered": sorted(self.registered), "revision": self.revision, "root": self.root,
                 "outage_s": None if self.outage_since is None else round(time.monotonic() - self.outage_since, 1),
                 "last_error": self.last_error}
+
+
+async def retire_nodes(endpoints: str, cluster: str, ranks: list[int], *, force: bool = False,
+                       timeout: float = 5.0) -> list[str]:
+    """Mark ``ranks`` of ``cluster`` retired in etcd: each key is put as ``{"rank", "addr", "role": "retired",
+    "last_addr"}`` with no lease, in a transaction against what it held when read. A rank registered by an
+    agent that answers is refused (ValueError, before any rank is changed) unless ``force``: retiring it
+    stops that agent. Returns one line per rank saying what was done."""
+    bad = [r for r in ranks if not 0 <= r < MAX_NODES]
+    if bad:
+        raise ValueError(f"node rank {bad[0]} is outside the ranks 0-{MAX_NODES - 1} a cluster may use")
+    client = EtcdClient([e.strip() for e in endpoints.split(",") if e.strip()], timeout=timeout)
+    prefix = f"/tierckpt/{cluster}/nodes/"
+
+    async def look(rank: int) -> tuple[dict, int]:
+        held = await client.get(f"{prefix}{rank}")
+        obj, rev = (_entry(held[0]) or {}, held[1]) if held is not None else ({}, 0)
+        addr = obj.get("addr")
+        if not _retired(obj) and isinstance(addr, str) and not force and await _answers(addr, timeout):
+            raise ValueError(
+                f"node {rank} of cluster {cluster!r} is registered by an agent that answers at {addr}: stop it "
+                "first (the job's ranks must be off that node), or pass --force to retire it anyway (its agent "
+                "then stops); no node was retired")
+        return obj, rev
+
+    done: list[str] = []
+    try:
+        for rank in ranks:  # every rank checked before any is changed
+            await look(rank)
+        for rank in ranks:
+            for _ in range(8):
+                obj, rev = await look(rank)
+                if _retired(obj):
+                    done.append(f"node {rank}: already retired")
+                    break
+                addr = obj.get("addr") if isinstance(obj.get("addr"), str) else None
+                # listed at an address of its own that nothing answers: the machine may join again, as a new rank
+                value = json.dumps({"rank": rank, "addr": f"retired-{rank}.invalid:1", "role": "retired",
+                                    "last_addr": addr, "retired_at": time.time()}).encode()
+                if await client.put_if(f"{prefix}{rank}", value, None, rev):
+                    done.append(f"node {rank}: retired" + (f" (last at {addr})" if addr else " (never registered)"))
+                    break
+            else:
+                raise EtcdError(f"node rank {rank}: its key in etcd kept changing while it was being retired")
+    finally:
+        await client.close()
+    return done

@@ -991,6 +991,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_placement(sub)
 
+    from ._cluster_cli import add_parser as add_retire
+
+    add_retire(sub)
+
     dm = sub.add_parser("demo", help="train a small model with tiered checkpoints, kill -9 it, restore, report")
     from ._demo import add_run_args
 

@@ -158,3 +158,28 @@ def test_node_rank_auto_finds_the_one_line_with_an_address_of_this_machine():
         find_own_rank(parse_peers("198.51.100.1:7700\n198.51.100.2:7700"))
     with pytest.raises(PeerListError, match="2 lines of the peers file.*give --node-rank"):
         find_own_rank(parse_peers("127.0.0.1:7700\n127.0.0.1:7701"))
+
+
+def test_a_rank_retired_in_etcd_is_written_retired_and_is_not_counted_registered(tmp_path):
+    """What the etcd watch turns into the peers file: a retired rank's line says role=retired (so every
+    part drops it), at an address of its own that nothing answers, and the rank is not registered; a
+    rank never seen is listed unregistered."""
+    import json
+    import types
+
+    from agents.directory import EtcdDirectory
+    from agents.replication import load_peer_list
+
+    (tmp_path / "shm").mkdir()
+    s = types.SimpleNamespace(shm=str(tmp_path / "shm"), etcd="http://127.0.0.1:1", cluster="c", nodes=4, node_rank=0,
+                              advertise="127.0.0.1:7000", peer_timeout=5.0, etcd_lease=None, dead_after=5.0)
+    d = EtcdDirectory(s)
+    d._take("/tierckpt/c/nodes/0", json.dumps({"rank": 0, "addr": "127.0.0.1:7000", "role": "train"}).encode())
+    d._take("/tierckpt/c/nodes/1", json.dumps({"rank": 1, "addr": "127.0.0.1:7001", "role": "memory"}).encode())
+    d._take("/tierckpt/c/nodes/2", json.dumps({"rank": 2, "addr": "retired-2.invalid:1", "role": "retired",
+                                              "last_addr": "127.0.0.1:7002"}).encode())
+    d._write()
+    nodes = load_peer_list(d.path)
+    assert [(n.rank, n.role) for n in nodes] == [(0, "train"), (1, "memory"), (2, "retired"), (3, "train")]
+    assert nodes[3].addr.startswith("unregistered-3.invalid")
+    assert d.registered == {0, 1}

@@ -317,3 +317,52 @@ def test_the_commit_roots_epoch_is_recorded_in_etcd_and_a_higher_one_there_unsea
         assert not [e for e in tree(i)["won_epochs"] if last < e <= fenced], tree(i)
     c.stage("r", 2, [0, 1, 2])
     c.wait_for(lambda: all(c.manifest(i, "r", 2) for i in range(3)), "step 2 on every node")
+
+
+def test_a_node_retired_in_etcd_leaves_the_running_cluster_and_its_rank_is_not_claimed_again(etcd_cluster, tmp_path):
+    """Three agents commit a step. `ckpt retire 2` is refused while node 2's agent answers (nothing changes);
+    with --force node 2's agent stops (status 4, saying it was retired), nodes 0 and 1 count 2 nodes with no
+    restart, the heal makes up a second copy of node 2's shard of step 1 on the two left, and a step saved
+    by two ranks commits on both. An agent started again with rank 2 is refused; --node-rank auto takes 3."""
+    from procs import ckpt_cmd
+
+    c = etcd_cluster(3)
+    c.wait_for(lambda: c.status(0)["etcd"]["registered"] == [0, 1, 2], "every node registered")
+    c.stage("ret", 1, [0, 1, 2])
+    c.wait_for(lambda: all(c.manifest(i, "ret", 1) for i in range(3)), "step 1 on every node")
+    shard2 = open(os.path.join(c.shm(2), "ret", "step-1", "rank-2.shard"), "rb").read()
+    before = _etcd_get(c, "/tierckpt/c1/nodes/2")
+
+    refused = ckpt_cmd("retire", "--etcd", c.etcd.endpoints, "--cluster", "c1", "2")
+    assert refused.returncode == 1, refused.stdout + refused.stderr
+    assert f"node 2 of cluster 'c1' is registered by an agent that answers at 127.0.0.1:{c.ports[2]}" \
+        in refused.stderr and "--force" in refused.stderr, refused.stderr
+    assert _etcd_get(c, "/tierckpt/c1/nodes/2") == before and c.procs[2].poll() is None
+
+    done = ckpt_cmd("retire", "--etcd", c.etcd.endpoints, "--cluster", "c1", "--force", "2")
+    assert done.returncode == 0 and f"node 2: retired (last at 127.0.0.1:{c.ports[2]})" in done.stdout, \
+        done.stdout + done.stderr
+    assert c.procs[2].wait(timeout=120) == 4
+    assert "node rank 2 was retired in etcd" in c.log(2) and "this agent stops (its node was retired)" in c.log(2)
+    c.wait_for(lambda: all(c.status(i)["tree"]["nodes"] == 2 for i in (0, 1)), "nodes 0 and 1 counting 2 nodes")
+    for i in (0, 1):
+        assert {p["node"] for p in c.status(i)["peers"]} == {1 - i}
+    copies = [os.path.join(c.shm(i), "ret", "step-1", "rank-2.shard") for i in (0, 1)]
+    c.wait_for(lambda: all(os.path.exists(p) for p in copies), "node 2's shard of step 1 on both nodes left")
+    assert all(open(p, "rb").read() == shard2 for p in copies)
+    c.stage("ret", 2, [0, 1])
+    c.wait_for(lambda: all(c.manifest(i, "ret", 2) for i in (0, 1)), "step 2 committed on both nodes left")
+
+    shm = str(tmp_path / "again" / "shm")
+    os.makedirs(os.path.dirname(shm))
+    args = c.args(2)
+    args[args.index("--advertise") + 1] = f"127.0.0.1:{free_port()}"
+    again = subprocess.run([sys.executable, "-m", "ckpt.cli", "agent", "--shm", shm, *args], capture_output=True,
+                           text=True, timeout=120, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert again.returncode == 2 and "node rank 2 of cluster 'c1' is retired in etcd" in again.stderr, again.stderr
+    assert _etcd_get(c, "/tierckpt/c1/nodes/2")["role"] == "retired"
+    c.auto = True
+    c.start(3)
+    c.wait_for(lambda: (_etcd_get(c, "/tierckpt/c1/nodes/3") or {}).get("addr") == f"127.0.0.1:{c.ports[3]}",
+               "the new machine registered as rank 3")
+    c.wait_for(lambda: all(c.status(i)["tree"]["nodes"] == 3 for i in (0, 1, 3)), "three nodes counted again")
