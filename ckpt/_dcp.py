@@ -69,6 +69,10 @@ _ALIGN = 64
 _STEP_RE = re.compile(r"^(?:step[-_])?([0-9]+)$")
 
 
+#: a non-tensor value DCP serialises to more than this many bytes is warned about, once per name
+BIG_OBJECT = 1 << 20
+
+
 def _aligned(n: int) -> int:
     return (n + _ALIGN - 1) // _ALIGN * _ALIGN
 
@@ -199,6 +203,7 @@ class DcpWriter(StorageWriter):
         self._save = threading.local()
         self._staged: list[_Staged] = []
         self._rooms: dict[tuple, int] = {}  # see _room_for
+        self._big: set[str] = set()  # names of large serialised values already warned about (_write)
         self._writing = 0  # write_data calls under way
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)  # notified when a staged save is written or dropped
@@ -474,6 +479,12 @@ class DcpWriter(StorageWriter):
             if item.type == WriteItemType.BYTE_IO:
                 raw = data.getbuffer() if isinstance(data, io.BytesIO) else memoryview(bytes(data))
                 extra.append((item, raw, len(raw)))
+                if len(raw) > BIG_OBJECT and name not in self._big:
+                    self._big.add(name)
+                    log.warning("%s: %r is not a tensor, so DCP pickles it (torch.save) on every save: %.1f MiB at "
+                                "step %d, copied and checksummed with the step, which slows each save; keep large "
+                                "state as tensors (a state_dict of tensors), or out of the saved state (said once "
+                                "per name)", self.job, name, len(raw) / (1 << 20), step)
                 continue
             t = data.detach()
             n = t.numel() * t.element_size()

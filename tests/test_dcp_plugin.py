@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import glob
+import logging
 import os
 import signal
 import subprocess
@@ -134,6 +135,27 @@ def test_values_larger_than_the_reserved_room_go_to_a_fresh_slot_without_starvin
         dcp.load(target, storage_reader=w.reader(rewind=False))
     assert torch.equal(target["w"], torch.full((64,), 3.0))
     assert target["v"] == b"x" * 65536
+
+
+def test_a_large_value_dcp_pickles_is_warned_about_once_naming_it_and_its_size(tmp_path, caplog):
+    """A non-tensor value over 1 MiB (an optimizer state put into a metadata value by mistake) is pickled
+    by DCP on every save: the first save says so, naming the key and its size; later saves do not repeat
+    it, and a small value is never named."""
+    big = {"lists": [float(i) for i in range(200_000)]}  # about 2 MiB pickled
+    with ckpt.DcpWriter("big", shm=str(tmp_path / "shm")) as w:
+        with caplog.at_level(logging.WARNING, logger="tierckpt"):
+            for step in (1, 2):
+                dcp.save({"w": torch.ones(8), "meta": big, "small": {"epoch": 3}}, storage_writer=w,
+                         checkpoint_id=step)
+            w.wait()
+        target = {"w": torch.zeros(8), "meta": {"lists": None}, "small": {"epoch": None}}
+        dcp.load(target, storage_reader=w.reader(rewind=False))
+    said = [r.getMessage() for r in caplog.records if "DCP pickles it" in r.getMessage()]
+    assert len(said) == 1, said
+    assert "'meta.lists'" in said[0] and " MiB at step 1" in said[0] and "small" not in said[0].split("DCP")[0]
+    size = float(said[0].split("every save: ")[1].split(" MiB")[0])
+    assert 1.0 < size < 4.0, said[0]
+    assert target["meta"] == big and target["small"] == {"epoch": 3}
 
 
 @pytest.mark.parametrize("cid,step", [(7, 7), ("7", 7), ("step-7", 7), ("/ckpt/job/step-7/", 7),
