@@ -209,6 +209,16 @@ def _etcd_fence(c: EtcdCluster, key: str, raise_by: int) -> tuple[dict, int]:
                 return held, value["epoch"]
 
 
+def _agent_elsewhere(c: EtcdCluster, rank: int, home) -> subprocess.CompletedProcess:
+    """An agent on another machine (its own folder and address) asking for ``rank``, run to its end."""
+    shm = str(home / "shm")
+    os.makedirs(os.path.dirname(shm))
+    args = c.args(rank)
+    args[args.index("--advertise") + 1] = f"127.0.0.1:{free_port()}"
+    return subprocess.run([sys.executable, "-m", "ckpt.cli", "agent", "--shm", shm, *args], capture_output=True,
+                          text=True, timeout=120, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
 def test_machines_started_together_with_node_rank_auto_claim_distinct_ranks_and_a_restart_gets_its_own_back(
         etcd_cluster):
     """Three agents started at the same moment with --node-rank auto (as a DaemonSet starts them) each
@@ -243,13 +253,7 @@ def test_a_second_agent_asking_for_a_live_nodes_rank_is_refused_and_takes_nothin
     c = etcd_cluster(2)
     c.wait_for(lambda: _etcd_get(c, "/tierckpt/c1/nodes/1") is not None, "node 1 registered")
     before = _etcd_get(c, "/tierckpt/c1/nodes/1")
-    port = free_port()
-    shm = str(tmp_path / "intruder" / "shm")
-    os.makedirs(os.path.dirname(shm))
-    args = c.args(1)
-    args[args.index("--advertise") + 1] = f"127.0.0.1:{port}"
-    p = subprocess.run([sys.executable, "-m", "ckpt.cli", "agent", "--shm", shm, *args], capture_output=True,
-                       text=True, timeout=120, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    p = _agent_elsewhere(c, 1, tmp_path / "intruder")
     out = p.stdout + p.stderr
     assert p.returncode == 2, out
     assert f"node rank 1 of cluster 'c1' is registered in etcd by a live agent at 127.0.0.1:{c.ports[1]}" in out
@@ -353,12 +357,7 @@ def test_a_node_retired_in_etcd_leaves_the_running_cluster_and_its_rank_is_not_c
     c.stage("ret", 2, [0, 1])
     c.wait_for(lambda: all(c.manifest(i, "ret", 2) for i in (0, 1)), "step 2 committed on both nodes left")
 
-    shm = str(tmp_path / "again" / "shm")
-    os.makedirs(os.path.dirname(shm))
-    args = c.args(2)
-    args[args.index("--advertise") + 1] = f"127.0.0.1:{free_port()}"
-    again = subprocess.run([sys.executable, "-m", "ckpt.cli", "agent", "--shm", shm, *args], capture_output=True,
-                           text=True, timeout=120, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    again = _agent_elsewhere(c, 2, tmp_path / "again")
     assert again.returncode == 2 and "node rank 2 of cluster 'c1' is retired in etcd" in again.stderr, again.stderr
     assert _etcd_get(c, "/tierckpt/c1/nodes/2")["role"] == "retired"
     c.auto = True
